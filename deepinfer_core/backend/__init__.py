@@ -1,0 +1,28 @@
+"""The backend contract, discovery and selection: everything a backend author imports is here."""
+
+from deepinfer_core.backend.extensions import LogitsProcessor, ModelRegistry, Observer, RequestEvent, StepStats
+from deepinfer_core.backend.hookspecs import API_VERSION, REQUIRED_BACKEND_HOOKS, BackendSpec, PluginSpec, hookimpl
+from deepinfer_core.backend.ops import OP_NAMES, AttentionMetadata, AttentionOps, Ops, RoutingConfig
+from deepinfer_core.backend.types import BackendInfo, Capabilities, DeviceFacts, ProbeResult
+
+__all__ = [
+    "API_VERSION",
+    "OP_NAMES",
+    "REQUIRED_BACKEND_HOOKS",
+    "AttentionMetadata",
+    "AttentionOps",
+    "BackendInfo",
+    "BackendSpec",
+    "Capabilities",
+    "DeviceFacts",
+    "LogitsProcessor",
+    "ModelRegistry",
+    "Observer",
+    "Ops",
+    "PluginSpec",
+    "ProbeResult",
+    "RequestEvent",
+    "RoutingConfig",
+    "StepStats",
+    "hookimpl",
+]

@@ -1,0 +1,139 @@
+"""The op contract: what model code calls on a backend, with exact semantics and shapes.
+
+Model code is written once against `Ops` and `AttentionOps`; the reference backend's implementation is
+the executable definition of each op. Shapes: T = tokens in the step, H = query heads, D = hidden size.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, Protocol, runtime_checkable
+
+import torch
+
+from deepinfer_core.kv.layout import CacheSpec
+
+__all__ = ["AttentionMetadata", "AttentionOps", "Ops", "RoutingConfig", "OP_NAMES"]
+
+# Every op a backend may be asked about in `Capabilities.supports`.
+OP_NAMES = (
+    "rms_norm",
+    "rotary",
+    "linear",
+    "silu_and_mul",
+    "moe_route",
+    "expert_ffn",
+    "paged_attention",
+)
+
+
+@dataclass(frozen=True, slots=True)
+class RoutingConfig:
+    """How a MoE layer picks experts (DeepSeek V2/V3 routing).
+
+    method:
+      "greedy"               top-k over all experts' scores;
+      "group_limited_greedy" (V2) keep `topk_groups` of `num_groups` groups ranked by their max score;
+      "noaux_tc"             (V3) rank groups by the sum of their two best bias-corrected scores, and
+                             choose experts by bias-corrected score but weight them by the raw score.
+    """
+
+    num_experts: int
+    top_k: int
+    method: Literal["greedy", "group_limited_greedy", "noaux_tc"] = "greedy"
+    scoring: Literal["softmax", "sigmoid"] = "softmax"
+    num_groups: int = 1
+    topk_groups: int = 1
+    normalize: bool = False  # divide the chosen weights by their sum
+    routed_scaling_factor: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.top_k <= self.num_experts:
+            raise ValueError(f"top_k must be in 1..num_experts ({self.num_experts}), got {self.top_k}")
+        if self.num_experts % self.num_groups:
+            raise ValueError(f"num_experts {self.num_experts} is not divisible by num_groups {self.num_groups}")
+        if not 1 <= self.topk_groups <= self.num_groups:
+            raise ValueError(f"topk_groups must be in 1..num_groups ({self.num_groups}), got {self.topk_groups}")
+
+
+@dataclass(frozen=True, slots=True)
+class AttentionMetadata:
+    """Where each sequence of a ragged step sits in the paged cache.
+
+    Sequence b owns queries `query_start_loc[b]:query_start_loc[b+1]`; those are its last q_len tokens
+    out of `seq_lens[b]` context tokens (already written to the cache), so query i has absolute position
+    `seq_lens[b] - q_len + i` and attends causally to positions 0..that position.
+    """
+
+    query_start_loc: torch.Tensor  # [B + 1] int64, cumulative query lengths, starts at 0
+    seq_lens: torch.Tensor  # [B] int64, context length including this step's tokens
+    block_tables: torch.Tensor  # [B, max_blocks] int64 block ids, -1 where unused
+    slot_mapping: torch.Tensor  # [T] int64, cache slot of each of this step's tokens
+
+    @property
+    def num_seqs(self) -> int:
+        return self.seq_lens.shape[0]
+
+
+@runtime_checkable
+class Ops(Protocol):
+    """Dense and MoE compute ops. All take and return tensors on the backend's device."""
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """x [T, D] -> x / sqrt(mean(x^2) + eps) * weight, accumulated in float32, returned in x.dtype."""
+        ...
+
+    def rotary(
+        self, x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, interleaved: bool
+    ) -> torch.Tensor:
+        """Rotate x [T, H, R] by the angles of `positions` [T]; cos/sin [max_pos, R/2] (scaling folded in).
+
+        interleaved=True rotates pairs (2i, 2i+1) and keeps that order (DeepSeek's rope layout);
+        False rotates pairs (i, i + R/2) (the "rotate half" layout).
+        """
+        ...
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x [T, K] @ weight[N, K]^T (+ bias [N]) -> [T, N]."""
+        ...
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, 2I] = [gate | up] -> silu(gate) * up [T, I]."""
+        ...
+
+    def moe_route(
+        self, router_logits: torch.Tensor, config: RoutingConfig, correction_bias: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """router_logits [T, E] -> (weights [T, top_k] float32, expert ids [T, top_k] int64), per `config`."""
+        ...
+
+    def expert_ffn(
+        self, x: torch.Tensor, tokens_per_expert: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor
+    ) -> torch.Tensor:
+        """Grouped expert MLP. x [N, D] rows sorted by expert, tokens_per_expert [E] (sums to N),
+        w13 [E, 2I, D] (gate rows then up rows), w2 [E, D, I] -> [N, D] = w2_e(silu(gate) * up)."""
+        ...
+
+
+@runtime_checkable
+class AttentionOps(Protocol):
+    """Attention over the backend's own paged cache layout."""
+
+    def paged_attention(
+        self,
+        q: torch.Tensor,
+        cache: torch.Tensor,
+        spec: CacheSpec,
+        meta: AttentionMetadata,
+        *,
+        scale: float,
+        value_dim: int,
+        value_offset: int = 0,
+    ) -> torch.Tensor:
+        """Causal attention of q [T, H, Dk] over cached entries [*, Hkv, Dc] (H % Hkv == 0).
+
+        Keys are entries[..., :Dk]; values are entries[..., value_offset : value_offset + value_dim].
+        MLA in weight-absorbed form caches one latent entry (kv_lora_rank + rope dims) with
+        value_offset 0; standard attention caches K|V side by side. Returns [T, H, value_dim] in q.dtype.
+        """
+        ...

@@ -1,0 +1,84 @@
+"""Engine build: call a selected backend's hooks once and keep the objects they return.
+
+After `resolve_backend`, the engine and model code call these objects directly; pluggy is never on
+the per-token path.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from deepinfer_core.backend.ops import AttentionOps, Ops
+from deepinfer_core.backend.registry import BackendEntry
+from deepinfer_core.backend.types import BackendInfo, Capabilities, DeviceFacts
+from deepinfer_core.engine.cost import CostModel
+from deepinfer_core.errors import BackendContractError, BackendSelectionError
+from deepinfer_core.kv.layout import KVLayout
+from deepinfer_core.parallel.communicator import ExpertCommunicator
+from deepinfer_core.sampling.sampler import Sampler
+
+__all__ = ["ResolvedBackend", "resolve_backend"]
+
+
+@dataclass(frozen=True, slots=True)
+class ResolvedBackend:
+    info: BackendInfo
+    capabilities: Capabilities
+    device: DeviceFacts
+    dtype: torch.dtype
+    ops: Ops
+    kv_layout: KVLayout
+    attention: AttentionOps
+    sampler: Sampler
+    communicator: ExpertCommunicator
+    cost_model: CostModel
+
+    @property
+    def torch_device(self) -> torch.device:
+        return torch.device(self.device.torch_device)
+
+
+def _checked(backend: BackendEntry, hook: str, value, expected: type):
+    if not isinstance(value, expected):
+        raise BackendContractError(
+            f"backend {backend.name} ({backend.origin.distribution}): {hook} returned "
+            f"{type(value).__name__}, expected {expected.__name__}. This is a bug in the backend."
+        )
+    return value
+
+
+def resolve_backend(
+    backend: BackendEntry, *, dtype: torch.dtype = torch.float32, device_index: int = 0, world_size: int = 1, rank: int = 0
+) -> ResolvedBackend:
+    """Build everything an engine needs from `backend` for one device and compute dtype."""
+    if not backend.available:
+        raise BackendSelectionError(f"backend {backend.name} is not available: {backend.reason}")
+    dtype_name = str(dtype).removeprefix("torch.")
+    if dtype_name not in backend.capabilities.dtypes:
+        supported = ", ".join(backend.capabilities.dtypes)
+        raise BackendSelectionError(f"backend {backend.name} does not compute in {dtype_name}; it supports {supported}")
+    hook = backend.manager.hook
+    device = _checked(backend, "deepinfer_backend_device", hook.deepinfer_backend_device(index=device_index), DeviceFacts)
+    layout = _checked(backend, "deepinfer_backend_kv_layout", hook.deepinfer_backend_kv_layout(device=device), KVLayout)
+    return ResolvedBackend(
+        info=backend.info,
+        capabilities=backend.capabilities,
+        device=device,
+        dtype=dtype,
+        ops=_checked(backend, "deepinfer_backend_ops", hook.deepinfer_backend_ops(device=device, dtype=dtype), Ops),
+        kv_layout=layout,
+        attention=_checked(
+            backend, "deepinfer_backend_attention",
+            hook.deepinfer_backend_attention(device=device, layout=layout, dtype=dtype), AttentionOps,
+        ),
+        sampler=_checked(backend, "deepinfer_backend_sampler", hook.deepinfer_backend_sampler(device=device), Sampler),
+        communicator=_checked(
+            backend, "deepinfer_backend_communicator",
+            hook.deepinfer_backend_communicator(device=device, world_size=world_size, rank=rank), ExpertCommunicator,
+        ),
+        cost_model=_checked(
+            backend, "deepinfer_backend_cost_model", hook.deepinfer_backend_cost_model(device=device, dtype=dtype), CostModel
+        ),
+    )

@@ -1,0 +1,17 @@
+"""Errors meant for people: the CLI prints their message (no traceback) and exits non-zero."""
+
+from __future__ import annotations
+
+__all__ = ["BackendContractError", "BackendSelectionError", "DeepInferError"]
+
+
+class DeepInferError(Exception):
+    """Base of every error whose message says what was wrong and what to do."""
+
+
+class BackendSelectionError(DeepInferError):
+    """The requested accelerator is unknown, broken or unavailable here."""
+
+
+class BackendContractError(DeepInferError):
+    """A backend answered a hook with something the contract does not allow."""

@@ -1,0 +1,1 @@
+"""KV-cache layout interface: cache kinds, specs and slot ids."""

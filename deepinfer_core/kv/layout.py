@@ -1,0 +1,93 @@
+"""The KV-cache layout interface: cache kinds, what a layer asks for, and the slot ids core hands out.
+
+Core only deals in ids (blocks, sequence slots, token slots); the backend's `KVLayout` owns the physical
+tensor (element order, padding, dtype) and can always export the canonical view with `gather`, so the
+conformance suite can compare the caches of two backends.
+
+Slot ids, per cache kind:
+- PAGED: `block_id * block_size + offset_in_block` — one slot per token position.
+- SLIDING_WINDOW: `seq_slot * ring_size + position % ring_size` — a per-sequence ring of
+  `window + rollback_slots` token slots (production V4.1 Flash: 128 + 6).
+- SEQUENCE_STATE: `seq_slot` — one fixed-shape state per sequence (e.g. V4's compressor state).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+import torch
+
+__all__ = ["CacheKind", "CacheSpec", "KVLayout", "paged_slots", "ring_slots"]
+
+
+class CacheKind(enum.Enum):
+    PAGED = "paged"
+    SLIDING_WINDOW = "sliding_window"
+    SEQUENCE_STATE = "sequence_state"
+
+
+@dataclass(frozen=True, slots=True)
+class CacheSpec:
+    """What one layer (or group of layers) needs cached; the canonical entry is [num_heads, head_dim].
+
+    For SEQUENCE_STATE the canonical entry is `state_shape` and num_heads/head_dim are unused.
+    """
+
+    kind: CacheKind
+    dtype: torch.dtype
+    num_heads: int = 1
+    head_dim: int = 0
+    window: int = 0  # SLIDING_WINDOW: tokens attended to
+    rollback_slots: int = 0  # SLIDING_WINDOW: extra slots so speculative tokens can be rolled back
+    state_shape: tuple[int, ...] = ()  # SEQUENCE_STATE
+
+    def __post_init__(self) -> None:
+        if self.kind is CacheKind.SEQUENCE_STATE:
+            if not self.state_shape:
+                raise ValueError("a SEQUENCE_STATE cache needs a non-empty state_shape")
+        elif self.num_heads < 1 or self.head_dim < 1:
+            raise ValueError(f"a {self.kind.value} cache needs num_heads >= 1 and head_dim >= 1")
+        if self.kind is CacheKind.SLIDING_WINDOW and self.window < 1:
+            raise ValueError("a SLIDING_WINDOW cache needs window >= 1")
+
+    @property
+    def ring_size(self) -> int:
+        return self.window + self.rollback_slots
+
+    @property
+    def entry_shape(self) -> tuple[int, ...]:
+        if self.kind is CacheKind.SEQUENCE_STATE:
+            return self.state_shape
+        return (self.num_heads, self.head_dim)
+
+
+@runtime_checkable
+class KVLayout(Protocol):
+    """The physical cache layout a backend wants. Tensors it returns live on the backend's device."""
+
+    block_size: int  # tokens per paged block; core's block manager uses this size
+
+    def allocate(self, spec: CacheSpec, num_units: int) -> torch.Tensor:
+        """A zeroed cache for `num_units` blocks (PAGED) or sequence slots (SLIDING_WINDOW, STATE)."""
+        ...
+
+    def write(self, cache: torch.Tensor, spec: CacheSpec, slots: torch.Tensor, values: torch.Tensor) -> None:
+        """Store `values` [N, *spec.entry_shape] at slot ids `slots` [N] (int64), in place."""
+        ...
+
+    def gather(self, cache: torch.Tensor, spec: CacheSpec, slots: torch.Tensor) -> torch.Tensor:
+        """The canonical view: entries at `slots` [N] as a plain [N, *spec.entry_shape] tensor."""
+        ...
+
+
+def paged_slots(block_table: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Slot ids of token `positions` [N] of one sequence whose blocks are `block_table` [num_blocks]."""
+    blocks = block_table[positions // block_size].to(torch.int64)  # [N]
+    return blocks * block_size + positions % block_size
+
+
+def ring_slots(seq_slot: int, positions: torch.Tensor, ring_size: int) -> torch.Tensor:
+    """Slot ids of token `positions` [N] in the sliding-window ring of sequence slot `seq_slot`."""
+    return seq_slot * ring_size + positions.to(torch.int64) % ring_size

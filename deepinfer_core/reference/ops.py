@@ -1,0 +1,76 @@
+"""Reference dense and MoE ops: the obvious PyTorch formula for each op of the contract."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from deepinfer_core.backend.ops import RoutingConfig
+
+__all__ = ["ReferenceOps"]
+
+
+class ReferenceOps:
+    """Implements deepinfer_core.backend.ops.Ops; float32 accumulation, results in the input dtype."""
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        x32 = x.float()
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(dim=-1, keepdim=True) + eps)
+        return (normed * weight.float()).to(x.dtype)
+
+    def rotary(
+        self, x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, interleaved: bool
+    ) -> torch.Tensor:
+        c = cos[positions].float()[:, None, :]  # [T, 1, R/2]
+        s = sin[positions].float()[:, None, :]
+        x32 = x.float()
+        if interleaved:
+            a, b = x32[..., 0::2], x32[..., 1::2]  # pairs (2i, 2i+1)
+        else:
+            a, b = x32.chunk(2, dim=-1)  # pairs (i, i + R/2)
+        ra, rb = a * c - b * s, b * c + a * s
+        out = torch.stack((ra, rb), dim=-1).flatten(-2) if interleaved else torch.cat((ra, rb), dim=-1)
+        return out.to(x.dtype)
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return F.linear(x, weight, bias)
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = x.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+    def moe_route(
+        self, router_logits: torch.Tensor, config: RoutingConfig, correction_bias: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = router_logits.float()  # [T, E]
+        scores = logits.sigmoid() if config.scoring == "sigmoid" else logits.softmax(dim=-1)
+        choice = scores if correction_bias is None else scores + correction_bias.float()  # ranks experts
+        tokens = scores.shape[0]
+        if config.method != "greedy" and config.num_groups > 1:
+            grouped = choice.view(tokens, config.num_groups, -1)  # [T, G, E/G]
+            if config.method == "noaux_tc":
+                group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)  # [T, G]
+            else:
+                group_scores = grouped.max(dim=-1).values
+            kept_groups = group_scores.topk(config.topk_groups, dim=-1).indices  # [T, topk_groups]
+            group_mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, kept_groups, True)
+            expert_mask = group_mask[:, :, None].expand_as(grouped).reshape(tokens, -1)
+            choice = choice.masked_fill(~expert_mask, float("-inf"))
+        ids = choice.topk(config.top_k, dim=-1).indices  # [T, K]
+        weights = scores.gather(1, ids)  # weighted by the raw score, not the bias-corrected one
+        if config.normalize:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return weights * config.routed_scaling_factor, ids
+
+    def expert_ffn(
+        self, x: torch.Tensor, tokens_per_expert: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor
+    ) -> torch.Tensor:
+        out = torch.empty_like(x)
+        start = 0
+        for expert, count in enumerate(tokens_per_expert.tolist()):
+            if count:
+                rows = x[start : start + count]  # [n, D]
+                hidden = self.silu_and_mul(F.linear(rows, w13[expert]))  # [n, I]
+                out[start : start + count] = F.linear(hidden, w2[expert])
+            start += count
+        return out

@@ -1,0 +1,1 @@
+"""Sampling parameters, counter-based noise and the reference sampler semantics."""

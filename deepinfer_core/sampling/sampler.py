@@ -1,0 +1,152 @@
+"""Sampler semantics: penalties, temperature, top-k / top-p / min-p, counter-based Gumbel-max, logprobs.
+
+`TorchSampler` is the definition (plain tensor ops, any device) and the core default for backends
+that do not ship their own sampler kernels. Order of operations, per request:
+  1. logprobs are taken from the raw logits (before penalties and temperature), as vLLM does;
+  2. penalties: repetition (prompt and output tokens: positive logits divided, negative multiplied),
+     then frequency (x count in output) and presence (once if in output) subtracted;
+  3. temperature 0 -> argmax of the penalized logits; otherwise logits / temperature, then
+     top-k, then top-p on the top-k-renormalized distribution, then min-p (p >= min_p * max p);
+  4. token = argmax(filtered logits + gumbel_noise(seed, step, token id)).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+import torch
+
+from deepinfer_core.sampling.noise import gumbel_noise
+from deepinfer_core.sampling.params import SamplingParams
+
+__all__ = ["SampleOutput", "Sampler", "SamplingBatch", "TorchSampler"]
+
+
+def _as_int64_seed(seed: int) -> int:
+    """A seed in [0, 2**64) as the int64 with the same bits."""
+    return seed - 2**64 if seed >= 2**63 else seed
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingBatch:
+    """Per-row sampling inputs for one step, as tensors on the device. Rows are requests."""
+
+    temperature: torch.Tensor  # [B] float32, 0 = greedy
+    top_k: torch.Tensor  # [B] int64, 0 = off
+    top_p: torch.Tensor  # [B] float32
+    min_p: torch.Tensor  # [B] float32
+    repetition_penalty: torch.Tensor  # [B] float32
+    presence_penalty: torch.Tensor  # [B] float32
+    frequency_penalty: torch.Tensor  # [B] float32
+    seeds: torch.Tensor  # [B] int64 (bits of the uint64 seed)
+    steps: torch.Tensor  # [B] int64, index of the token being generated
+    prompt_tokens: torch.Tensor  # [B, Lp] int64, -1 padded
+    output_tokens: torch.Tensor  # [B, Lo] int64, -1 padded
+    num_logprobs: int  # top logprobs to return per row (max over the batch)
+
+    @classmethod
+    def build(
+        cls,
+        params: Sequence[SamplingParams],
+        seeds: Sequence[int],
+        prompt_tokens: Sequence[Sequence[int]],
+        output_tokens: Sequence[Sequence[int]],
+        device: torch.device | str = "cpu",
+    ) -> SamplingBatch:
+        """Stack per-request parameters; `seeds` are the requests' seeds (drawn by core when unset)."""
+
+        def column(values, dtype):
+            return torch.tensor(values, dtype=dtype, device=device)
+
+        def padded(rows):
+            width = max((len(r) for r in rows), default=0)
+            out = torch.full((len(rows), width), -1, dtype=torch.int64)
+            for i, row in enumerate(rows):
+                out[i, : len(row)] = torch.tensor(row, dtype=torch.int64)
+            return out.to(device)
+
+        return cls(
+            temperature=column([p.temperature for p in params], torch.float32),
+            top_k=column([max(p.top_k, 0) for p in params], torch.int64),
+            top_p=column([p.top_p for p in params], torch.float32),
+            min_p=column([p.min_p for p in params], torch.float32),
+            repetition_penalty=column([p.repetition_penalty for p in params], torch.float32),
+            presence_penalty=column([p.presence_penalty for p in params], torch.float32),
+            frequency_penalty=column([p.frequency_penalty for p in params], torch.float32),
+            seeds=column([_as_int64_seed(s) for s in seeds], torch.int64),
+            steps=column([len(o) for o in output_tokens], torch.int64),
+            prompt_tokens=padded(prompt_tokens),
+            output_tokens=padded(output_tokens),
+            num_logprobs=max((p.logprobs or 0 for p in params), default=0),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class SampleOutput:
+    token_ids: torch.Tensor  # [B] int64
+    logprobs: torch.Tensor  # [B] float32, raw logprob of the chosen token
+    top_token_ids: torch.Tensor  # [B, num_logprobs] int64
+    top_logprobs: torch.Tensor  # [B, num_logprobs] float32
+
+
+@runtime_checkable
+class Sampler(Protocol):
+    def sample(self, logits: torch.Tensor, batch: SamplingBatch) -> SampleOutput:
+        """Choose one token per row of logits [B, V] (float32) by the semantics of this module."""
+        ...
+
+
+def _token_counts(tokens: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """tokens [B, L] (-1 padded) -> counts [B, V] float32."""
+    counts = torch.zeros(tokens.shape[0], vocab_size + 1, dtype=torch.float32, device=tokens.device)
+    index = torch.where(tokens < 0, vocab_size, tokens)  # padding lands in a spare column
+    counts.scatter_add_(1, index, torch.ones_like(index, dtype=torch.float32))
+    return counts[:, :vocab_size]
+
+
+def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    vocab = logits.shape[1]
+    output_counts = _token_counts(batch.output_tokens, vocab)  # [B, V]
+    seen = (output_counts + _token_counts(batch.prompt_tokens, vocab)) > 0
+    rep = batch.repetition_penalty[:, None]
+    penalized = torch.where(logits > 0, logits / rep, logits * rep)
+    logits = torch.where(seen, penalized, logits)
+    logits = logits - batch.frequency_penalty[:, None] * output_counts
+    return logits - batch.presence_penalty[:, None] * (output_counts > 0).float()
+
+
+def filter_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """Temperature-scaled logits with everything outside top-k / top-p / min-p set to -inf."""
+    temperature = torch.where(batch.temperature > 0, batch.temperature, torch.ones_like(batch.temperature))
+    scaled = logits / temperature[:, None]
+    vocab = scaled.shape[1]
+    sorted_logits, order = scaled.sort(dim=1, descending=True)  # [B, V]
+    ranks = torch.arange(vocab, device=scaled.device)[None, :]
+    top_k = torch.where(batch.top_k > 0, batch.top_k, vocab)
+    keep = ranks < top_k[:, None]
+    probs = torch.softmax(sorted_logits.masked_fill(~keep, float("-inf")), dim=1)
+    mass_before = probs.cumsum(dim=1) - probs  # probability of better-ranked tokens
+    keep &= mass_before < batch.top_p[:, None]  # the first token always stays
+    keep &= probs >= batch.min_p[:, None] * probs[:, :1]
+    kept_sorted = sorted_logits.masked_fill(~keep, float("-inf"))
+    return torch.empty_like(scaled).scatter_(1, order, kept_sorted)
+
+
+class TorchSampler:
+    """The reference sampler: plain tensor ops, runs on any torch device."""
+
+    def sample(self, logits: torch.Tensor, batch: SamplingBatch) -> SampleOutput:
+        logits = logits.float()
+        raw_logprobs = torch.log_softmax(logits, dim=1)  # [B, V]
+        penalized = apply_penalties(logits, batch)
+        noisy = filter_logits(penalized, batch) + gumbel_noise(batch.seeds, batch.steps, logits.shape[1])
+        token_ids = torch.where(batch.temperature > 0, noisy.argmax(dim=1), penalized.argmax(dim=1))
+        top_logprobs, top_ids = raw_logprobs.topk(batch.num_logprobs, dim=1)
+        return SampleOutput(
+            token_ids=token_ids,
+            logprobs=raw_logprobs.gather(1, token_ids[:, None]).squeeze(1),
+            top_token_ids=top_ids,
+            top_logprobs=top_logprobs,
+        )
