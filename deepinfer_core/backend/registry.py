@@ -69,7 +69,8 @@ class BackendEntry:
     def reason(self) -> str:
         reasons = [self.probe.reason] if self.probe.reason else []
         if self.missing_hooks:
-            reasons.append("does not implement required hooks " + ", ".join(self.missing_hooks))
+            short = (h.removeprefix("deepinfer_backend_") for h in self.missing_hooks)
+            reasons.append("does not implement the required hooks " + ", ".join(short))
         return "; ".join(reasons)
 
 
@@ -106,6 +107,8 @@ def _load(group: str) -> tuple[list[tuple[Origin, Any]], list[BrokenPlugin]]:
         tb = "".join(traceback.format_exception(err))
         broken.append(BrokenPlugin(origin_of(ep), f"import failed: {type(err).__name__}: {err}", tb))
 
+    # stevedore memoises entry points per group for the process; discovery must see the current path
+    ExtensionManager.ENTRY_POINT_CACHE.pop(group, None)
     manager = ExtensionManager(group, invoke_on_load=False, on_load_failure_callback=on_failure)
     return [(origin_of(ext.entry_point), ext.plugin) for ext in manager.extensions], broken
 

@@ -1,0 +1,1 @@
+"""DeepInfer backend for Ascend NPUs. Importing this package never imports torch_npu."""

@@ -1,0 +1,125 @@
+"""The `deepinfer` command line. Errors meant for people are printed as one message, never a traceback."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+
+from deepinfer_core import __version__
+from deepinfer_core.backend.hookspecs import API_VERSION
+from deepinfer_core.backend.registry import BackendEntry, Discovery, discover
+from deepinfer_core.backend.selection import ENV_VAR, requested_accelerator, select_backend
+from deepinfer_core.errors import DeepInferError
+
+__all__ = ["main"]
+
+
+def _backend_row(backend: BackendEntry) -> dict:
+    return {
+        "name": backend.name,
+        "aliases": list(backend.info.aliases),
+        "distribution": backend.origin.distribution,
+        "version": backend.origin.version,
+        "entry_point": backend.origin.target,
+        "available": backend.available,
+        "reason": backend.reason,
+        "probe_facts": dict(backend.probe.facts),
+        "missing_hooks": list(backend.missing_hooks),
+        "priority": backend.info.priority,
+        "device_kind": backend.info.device_kind,
+        "description": backend.info.description,
+        "capabilities": backend.capabilities.as_dict(),
+    }
+
+
+def _report(discovery: Discovery) -> dict:
+    return {
+        "deepinfer_version": __version__,
+        "contract_api_version": API_VERSION,
+        "python": platform.python_version(),
+        "backends": [_backend_row(b) for b in discovery.backends],
+        "plugins": [{"name": p.name, "distribution": p.distribution, "version": p.version} for p in discovery.plugins],
+        "broken": [
+            {"group": p.origin.group, "name": p.origin.name, "distribution": p.origin.distribution,
+             "version": p.origin.version, "error": p.error, "traceback": p.traceback}
+            for p in discovery.broken
+        ],
+    }
+
+
+def _capability_summary(backend: BackendEntry) -> str:
+    caps = backend.capabilities
+    flags = [f for f, on in (("batch-invariant", caps.batch_invariant), ("graph-capture", caps.graph_capture),
+                             ("async-sched", caps.async_scheduling)) if on]
+    return ",".join(list(caps.dtypes) + flags)
+
+
+def _print_table(discovery: Discovery, verbose: bool) -> None:
+    rows = [("BACKEND", "DISTRIBUTION", "PRIORITY", "STATUS", "CAPABILITIES")]
+    reasons = [""]
+    for b in discovery.backends:
+        name = b.name + (f" ({', '.join(b.info.aliases)})" if b.info.aliases else "")
+        rows.append((name, f"{b.origin.distribution} {b.origin.version}", str(b.info.priority),
+                     "available" if b.available else "unavailable", _capability_summary(b)))
+        reasons.append(b.reason)
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    for row, reason in zip(rows, reasons):
+        print("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
+        if reason:
+            print(f"    {reason}")
+    if discovery.plugins:
+        print("\nplugins: " + ", ".join(f"{p.name} ({p.distribution} {p.version})" for p in discovery.plugins))
+    if discovery.broken:
+        print("\nbroken plugins (not loaded; everything else works):")
+        for p in discovery.broken:
+            print(f"  [{p.origin.group}] {p.origin.name} ({p.origin.distribution} {p.origin.version}): {p.error}")
+            if verbose and p.traceback:
+                print("    " + p.traceback.rstrip().replace("\n", "\n    "))
+
+
+def _cmd_backends(args: argparse.Namespace) -> int:
+    discovery = discover()
+    if args.select:
+        backend = select_backend(discovery, args.accelerator)
+        how = requested_accelerator(args.accelerator)
+        if args.json:
+            print(json.dumps({"requested": how, "selected": _backend_row(backend)}, indent=2))
+        else:
+            print(f"{backend.name}  (requested {how!r}; {backend.reason or 'available'})")
+        return 0
+    if args.json:
+        print(json.dumps(_report(discovery), indent=2))
+    else:
+        _print_table(discovery, args.verbose)
+    return 0
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="deepinfer", description="Serve DeepSeek MoE models on any accelerator.")
+    parser.add_argument("--version", action="version", version=f"deepinfer {__version__} (contract v{API_VERSION})")
+    commands = parser.add_subparsers(dest="command", required=True)
+    backends = commands.add_parser("backends", help="list installed backends, or show which one would be selected")
+    backends.add_argument("--json", action="store_true", help="machine-readable output")
+    backends.add_argument("--select", action="store_true",
+                          help=f"print the backend that --accelerator / ${ENV_VAR} selects, or fail with the reason")
+    backends.add_argument("--accelerator", default=None, help=f"backend name, alias or 'auto' (default: ${ENV_VAR} or auto)")
+    backends.add_argument("-v", "--verbose", action="store_true", help="show tracebacks of broken plugins")
+    backends.set_defaults(run=_cmd_backends)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        return args.run(args)
+    except DeepInferError as err:
+        print(f"deepinfer: error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

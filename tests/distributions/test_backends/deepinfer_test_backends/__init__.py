@@ -1,0 +1,1 @@
+"""Test backends: one available (fakeaccel), one whose probe says no (offline)."""

@@ -1,0 +1,1 @@
+"""Backends broken in every way the registry must isolate and explain."""

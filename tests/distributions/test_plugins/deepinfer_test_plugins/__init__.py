@@ -1,0 +1,1 @@
+"""A general plugin: a logits processor, an observer and a model registration."""
