@@ -42,8 +42,14 @@ def _report(discovery: Discovery) -> dict:
         "backends": [_backend_row(b) for b in discovery.backends],
         "plugins": [{"name": p.name, "distribution": p.distribution, "version": p.version} for p in discovery.plugins],
         "broken": [
-            {"group": p.origin.group, "name": p.origin.name, "distribution": p.origin.distribution,
-             "version": p.origin.version, "error": p.error, "traceback": p.traceback}
+            {
+                "group": p.origin.group,
+                "name": p.origin.name,
+                "distribution": p.origin.distribution,
+                "version": p.origin.version,
+                "error": p.error,
+                "traceback": p.traceback,
+            }
             for p in discovery.broken
         ],
     }
@@ -51,8 +57,15 @@ def _report(discovery: Discovery) -> dict:
 
 def _capability_summary(backend: BackendEntry) -> str:
     caps = backend.capabilities
-    flags = [f for f, on in (("batch-invariant", caps.batch_invariant), ("graph-capture", caps.graph_capture),
-                             ("async-sched", caps.async_scheduling)) if on]
+    flags = [
+        f
+        for f, on in (
+            ("batch-invariant", caps.batch_invariant),
+            ("graph-capture", caps.graph_capture),
+            ("async-sched", caps.async_scheduling),
+        )
+        if on
+    ]
     return ",".join(list(caps.dtypes) + flags)
 
 
@@ -61,8 +74,15 @@ def _print_table(discovery: Discovery, verbose: bool) -> None:
     reasons = [""]
     for b in discovery.backends:
         name = b.name + (f" ({', '.join(b.info.aliases)})" if b.info.aliases else "")
-        rows.append((name, f"{b.origin.distribution} {b.origin.version}", str(b.info.priority),
-                     "available" if b.available else "unavailable", _capability_summary(b)))
+        rows.append(
+            (
+                name,
+                f"{b.origin.distribution} {b.origin.version}",
+                str(b.info.priority),
+                "available" if b.available else "unavailable",
+                _capability_summary(b),
+            )
+        )
         reasons.append(b.reason)
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     for row, reason in zip(rows, reasons):
@@ -102,9 +122,14 @@ def _parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
     backends = commands.add_parser("backends", help="list installed backends, or show which one would be selected")
     backends.add_argument("--json", action="store_true", help="machine-readable output")
-    backends.add_argument("--select", action="store_true",
-                          help=f"print the backend that --accelerator / ${ENV_VAR} selects, or fail with the reason")
-    backends.add_argument("--accelerator", default=None, help=f"backend name, alias or 'auto' (default: ${ENV_VAR} or auto)")
+    backends.add_argument(
+        "--select",
+        action="store_true",
+        help=f"print the backend that --accelerator / ${ENV_VAR} selects, or fail with the reason",
+    )
+    backends.add_argument(
+        "--accelerator", default=None, help=f"backend name, alias or 'auto' (default: ${ENV_VAR} or auto)"
+    )
     backends.add_argument("-v", "--verbose", action="store_true", help="show tracebacks of broken plugins")
     backends.set_defaults(run=_cmd_backends)
     return parser

@@ -32,9 +32,22 @@ def install_distributions(tmp_path_factory):
                 sources.append(str(shutil.copytree(DISTRIBUTIONS / name, root / "src" / name)))
             if sources:
                 subprocess.run(
-                    [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation",
-                     "--no-index", "--target", str(target), *sources],
-                    check=True, capture_output=True, text=True,
+                    [
+                        sys.executable,
+                        "-m",
+                        "pip",
+                        "install",
+                        "--quiet",
+                        "--no-deps",
+                        "--no-build-isolation",
+                        "--no-index",
+                        "--target",
+                        str(target),
+                        *sources,
+                    ],
+                    check=True,
+                    capture_output=True,
+                    text=True,
                 )
             cache[key] = target
         return cache[key]

@@ -74,6 +74,7 @@ def test_broken_plugins_are_shown_and_do_not_break_the_command(run_cli, install_
 
 
 def test_selecting_a_broken_backend_is_a_clean_error(run_cli, install_distributions):
-    result = run_cli(["backends", "--select", "--accelerator", "old_contract"],
-                     site=install_distributions("test_broken"))
+    result = run_cli(
+        ["backends", "--select", "--accelerator", "old_contract"], site=install_distributions("test_broken")
+    )
     assert_clean_error(result, "installed but failed to load", "contract version 999")

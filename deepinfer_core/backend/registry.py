@@ -152,11 +152,11 @@ def _check_signatures(origin: Origin, plugin: Any, manager: pluggy.PluginManager
             )
 
 
-def _register(origin: Origin, plugin: Any, manager: pluggy.PluginManager) -> None:
+def _register(origin: Origin, plugin: Any, manager: pluggy.PluginManager) -> str:
     _check_api_version(origin, plugin)
     _check_signatures(origin, plugin, manager)
     try:
-        manager.register(plugin, name=origin.name)
+        return manager.register(plugin, name=origin.name)
     except (pluggy.PluginValidationError, ValueError) as err:
         raise _Refused(f"{origin.label} was refused by the plugin manager: {err}") from err
 
@@ -167,16 +167,18 @@ def _backend_entry(origin: Origin, plugin: Any) -> BackendEntry:
     _register(origin, plugin, manager)
     manager.register(_defaults, name="deepinfer-core-defaults")
     hook = manager.hook
-    implemented = {h for h in REQUIRED_BACKEND_HOOKS for i in getattr(hook, h).get_hookimpls() if i.plugin is plugin}
+    implemented = {
+        h for h in REQUIRED_BACKEND_HOOKS if any(i.plugin is plugin for i in getattr(hook, h).get_hookimpls())
+    }
     try:
         info = hook.deepinfer_backend_info()
         capabilities = hook.deepinfer_backend_capabilities()
     except Exception as err:
         raise _Refused(f"{origin.label}: info/capabilities hook raised {type(err).__name__}: {err}") from err
     if not isinstance(info, BackendInfo) or not isinstance(capabilities, Capabilities):
-        raise _Refused(f"{origin.label}: deepinfer_backend_info/capabilities must return BackendInfo and Capabilities.")
+        raise _Refused(f"{origin.label}: the info/capabilities hooks must return BackendInfo and Capabilities.")
     if info.name != origin.name:
-        raise _Refused(f"{origin.label}: BackendInfo.name is {info.name!r} but the entry point is named {origin.name!r}.")
+        raise _Refused(f"{origin.label}: BackendInfo.name {info.name!r} differs from the entry-point name.")
     try:
         probe = hook.deepinfer_backend_probe()
     except Exception as err:  # a probe must not raise; report it as the reason instead
@@ -187,10 +189,10 @@ def _backend_entry(origin: Origin, plugin: Any) -> BackendEntry:
     return BackendEntry(origin, info, capabilities, probe, missing, manager)
 
 
-def _isolated(origin: Origin, broken: list[BrokenPlugin], build):
-    """Run build(); a refusal or any error becomes a BrokenPlugin and None."""
+def _isolated(origin: Origin, broken: list[BrokenPlugin], build, *args):
+    """Run build(*args); a refusal or any error becomes a BrokenPlugin and None."""
     try:
-        return build()
+        return build(*args)
     except _Refused as err:
         broken.append(BrokenPlugin(origin, str(err)))
     except Exception as err:
@@ -206,9 +208,10 @@ def discover() -> Discovery:
     for origin, plugin in loaded:
         if origin.name in backends:
             first = backends[origin.name].origin
-            broken.append(BrokenPlugin(origin, f"{origin.label}: backend name {origin.name!r} is already taken by {first.label}."))
+            taken = f"{origin.label}: backend name {origin.name!r} is already taken by {first.label}."
+            broken.append(BrokenPlugin(origin, taken))
             continue
-        entry = _isolated(origin, broken, lambda: _backend_entry(origin, plugin))
+        entry = _isolated(origin, broken, _backend_entry, origin, plugin)
         if entry is not None:
             backends[origin.name] = entry
 
@@ -218,7 +221,7 @@ def discover() -> Discovery:
     plugin_manager.add_hookspecs(PluginSpec)
     plugins = []
     for origin, plugin in plugin_loaded:
-        if _isolated(origin, broken, lambda: _register(origin, plugin, plugin_manager) or True):
+        if _isolated(origin, broken, _register, origin, plugin, plugin_manager) is not None:
             plugins.append(origin)
     ordered = sorted(backends.values(), key=lambda b: (-b.info.priority, b.name))
     return Discovery(tuple(ordered), tuple(plugins), plugin_manager, tuple(broken))

@@ -50,7 +50,12 @@ def _checked(backend: BackendEntry, hook: str, value, expected: type):
 
 
 def resolve_backend(
-    backend: BackendEntry, *, dtype: torch.dtype = torch.float32, device_index: int = 0, world_size: int = 1, rank: int = 0
+    backend: BackendEntry,
+    *,
+    dtype: torch.dtype = torch.float32,
+    device_index: int = 0,
+    world_size: int = 1,
+    rank: int = 0,
 ) -> ResolvedBackend:
     """Build everything an engine needs from `backend` for one device and compute dtype."""
     if not backend.available:
@@ -60,7 +65,9 @@ def resolve_backend(
         supported = ", ".join(backend.capabilities.dtypes)
         raise BackendSelectionError(f"backend {backend.name} does not compute in {dtype_name}; it supports {supported}")
     hook = backend.manager.hook
-    device = _checked(backend, "deepinfer_backend_device", hook.deepinfer_backend_device(index=device_index), DeviceFacts)
+    device = _checked(
+        backend, "deepinfer_backend_device", hook.deepinfer_backend_device(index=device_index), DeviceFacts
+    )
     layout = _checked(backend, "deepinfer_backend_kv_layout", hook.deepinfer_backend_kv_layout(device=device), KVLayout)
     return ResolvedBackend(
         info=backend.info,
@@ -70,15 +77,22 @@ def resolve_backend(
         ops=_checked(backend, "deepinfer_backend_ops", hook.deepinfer_backend_ops(device=device, dtype=dtype), Ops),
         kv_layout=layout,
         attention=_checked(
-            backend, "deepinfer_backend_attention",
-            hook.deepinfer_backend_attention(device=device, layout=layout, dtype=dtype), AttentionOps,
+            backend,
+            "deepinfer_backend_attention",
+            hook.deepinfer_backend_attention(device=device, layout=layout, dtype=dtype),
+            AttentionOps,
         ),
         sampler=_checked(backend, "deepinfer_backend_sampler", hook.deepinfer_backend_sampler(device=device), Sampler),
         communicator=_checked(
-            backend, "deepinfer_backend_communicator",
-            hook.deepinfer_backend_communicator(device=device, world_size=world_size, rank=rank), ExpertCommunicator,
+            backend,
+            "deepinfer_backend_communicator",
+            hook.deepinfer_backend_communicator(device=device, world_size=world_size, rank=rank),
+            ExpertCommunicator,
         ),
         cost_model=_checked(
-            backend, "deepinfer_backend_cost_model", hook.deepinfer_backend_cost_model(device=device, dtype=dtype), CostModel
+            backend,
+            "deepinfer_backend_cost_model",
+            hook.deepinfer_backend_cost_model(device=device, dtype=dtype),
+            CostModel,
         ),
     )

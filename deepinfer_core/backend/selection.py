@@ -44,7 +44,9 @@ def select_backend(discovery: Discovery, requested: str | None = None) -> Backen
         for backend in discovery.backends:  # already ordered by priority, highest first
             if backend.available:
                 return backend
-        raise BackendSelectionError(f"no available backend for {ENV_VAR}=auto. Installed backends:\n{_describe(discovery)}")
+        raise BackendSelectionError(
+            f"no available backend for {ENV_VAR}=auto. Installed backends:\n{_describe(discovery)}"
+        )
     backend = _find(discovery, name)
     if backend is None:
         broken = [p for p in discovery.broken if p.origin.name == name]

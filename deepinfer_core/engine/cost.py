@@ -31,8 +31,9 @@ class LinearCostModel:
         return self.fixed_s + self.per_token_s * q_tokens + self.per_attended_s * q_tokens * ctx_tokens
 
 
-def largest_chunk(model: CostModel, cached_tokens: int, remaining: int, budget_s: float,
-                  cap: int = MAX_PREFILL_CHUNK) -> int:
+def largest_chunk(
+    model: CostModel, cached_tokens: int, remaining: int, budget_s: float, cap: int = MAX_PREFILL_CHUNK
+) -> int:
     """The most prompt tokens (at least 1, at most min(remaining, cap)) whose step fits in budget_s,
     for a sequence that already has `cached_tokens` in its cache."""
     lo, hi = 1, max(1, min(remaining, cap))

@@ -47,7 +47,7 @@ class ExpertCommunicator(Protocol):
 def _weighted_sum(pair_rows: torch.Tensor, topk_weights: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
     """pair_rows [T*K, D] in (token, k) order -> sum_k w[t, k] * row[t, k] in float32 -> [T, D]."""
     tokens, top_k = topk_weights.shape
-    rows = pair_rows.view(tokens, top_k, -1).float()
+    rows = pair_rows.view(tokens, top_k, pair_rows.shape[-1]).float()  # not -1: ambiguous when tokens == 0
     return (rows * topk_weights.float()[:, :, None]).sum(dim=1).to(out_dtype)
 
 

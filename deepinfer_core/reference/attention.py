@@ -36,7 +36,9 @@ class ReferenceAttention:
             if q_end == q_start:
                 continue
             positions = torch.arange(seq_len, device=q.device)
-            entries = self.layout.gather(cache, spec, paged_slots(meta.block_tables[b], positions, self.layout.block_size))
+            entries = self.layout.gather(
+                cache, spec, paged_slots(meta.block_tables[b], positions, self.layout.block_size)
+            )
             entries = entries.float().repeat_interleave(group, dim=1)  # [S, H, Dc]
             keys = entries[..., :key_dim]
             values = entries[..., value_offset : value_offset + value_dim]

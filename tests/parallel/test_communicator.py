@@ -177,9 +177,12 @@ def _worker_main(argv: list[str]) -> None:
                 }
             except Exception:  # noqa: BLE001 - reported per scenario; later collectives would not line up
                 results[name] = {"error": traceback.format_exc()}
-                break
-        dist.barrier()
-        dist.destroy_process_group()
+                return  # skip the rest; peers see the connection close (or the gloo timeout) and stop too
+        try:
+            dist.barrier()
+            dist.destroy_process_group()
+        except Exception:  # noqa: BLE001 - e.g. a peer that failed its last scenario already left
+            results["teardown"] = traceback.format_exc()
     except Exception:  # noqa: BLE001
         results["fatal"] = traceback.format_exc()
     finally:
@@ -263,12 +266,15 @@ def world(request, tmp_path_factory) -> tuple[int, list[dict]]:
 
 def _scenario_results(world: tuple[int, list[dict]], name: str) -> tuple[int, dict, list[dict]]:
     world_size, results = world
-    per_rank = []
+    problems = []
     for rank, res in enumerate(results):
-        assert name in res, f"rank {rank} never ran scenario {name!r} (an earlier scenario failed)"
-        assert "error" not in res[name], f"rank {rank}, scenario {name!r} raised:\n{res[name]['error']}"
-        per_rank.append(res[name])
-    return world_size, _SCENARIOS[world_size][name], per_rank
+        if name not in res:
+            problems.append(f"rank {rank} never ran scenario {name!r} (an earlier scenario failed)")
+        elif "error" in res[name]:
+            problems.append(f"rank {rank} raised in scenario {name!r}:\n{res[name]['error']}")
+    if problems:  # every rank's story: the first failure is often a peer's reaction to another rank's
+        pytest.fail("\n".join(problems))
+    return world_size, _SCENARIOS[world_size][name], [res[name] for res in results]
 
 
 def _in_process_reference(inp: dict, num_experts: int, expert_fn) -> torch.Tensor:
@@ -397,6 +403,13 @@ def test_all_to_all_without_process_group_raises_runtime_error():
 def test_all_to_all_reports_rank_and_world_size(world):
     world_size, results = world
     assert [(r["rank"], r["world_size"]) for r in results] == [(r, world_size) for r in range(world_size)]
+
+
+def test_all_to_all_world_shuts_down_cleanly(world):
+    _, results = world
+    for rank, res in enumerate(results):
+        assert all(name in res and "error" not in res[name] for name in _SCENARIO_NAMES), f"rank {rank}: a scenario failed"
+        assert "teardown" not in res, f"rank {rank}: barrier/destroy failed:\n{res['teardown']}"
 
 
 def test_all_to_all_uneven_expert_split_raises_value_error(world):

@@ -65,8 +65,13 @@ def deepinfer_backend_probe():
         return ProbeResult.unavailable(f"no NVIDIA GPU visible{where}")
     props = torch.cuda.get_device_properties(0)
     capability = (props.major, props.minor)
-    facts = dict(gpu=props.name, compute_capability=f"{props.major}.{props.minor}", driver=_driver_release(),
-                 cuda=str(torch.version.cuda), gpus=str(torch.cuda.device_count()))
+    facts = dict(
+        gpu=props.name,
+        compute_capability=f"{props.major}.{props.minor}",
+        driver=_driver_release(),
+        cuda=str(torch.version.cuda),
+        gpus=str(torch.cuda.device_count()),
+    )
     if capability < MIN_COMPUTE_CAPABILITY:
         return ProbeResult.unavailable(
             f"{props.name} has compute capability {props.major}.{props.minor}; this backend needs 9.0 (SM90) or newer",
@@ -75,8 +80,9 @@ def deepinfer_backend_probe():
     if importlib.util.find_spec("triton") is None:
         return ProbeResult.unavailable("triton is not installed: pip install 'deepinfer-nvidia-sm100[gpu]'", **facts)
     paths = "SM100 paths" if capability >= (10, 0) else "SM90 paths"
-    return ProbeResult.ok(f"{props.name}, compute capability {facts['compute_capability']}, "
-                          f"driver {facts['driver']}, {paths}", **facts)
+    return ProbeResult.ok(
+        f"{props.name}, compute capability {facts['compute_capability']}, driver {facts['driver']}, {paths}", **facts
+    )
 
 
 @hookimpl
