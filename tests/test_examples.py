@@ -10,7 +10,9 @@ EXAMPLES = Path(__file__).parent.parent / "examples"
 def test_select_backend_example_runs_on_cpu():
     result = subprocess.run(
         [sys.executable, str(EXAMPLES / "select_backend.py"), "--accelerator", "cpu"],
-        capture_output=True, text=True, timeout=120,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("backend cpu on cpu: rms_norm + linear -> (4, 100)")
@@ -19,7 +21,9 @@ def test_select_backend_example_runs_on_cpu():
 def test_select_backend_example_reports_an_unavailable_backend():
     result = subprocess.run(
         [sys.executable, str(EXAMPLES / "select_backend.py"), "--accelerator", "ascend"],
-        capture_output=True, text=True, timeout=120,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert result.returncode == 2 and "torch_npu is not installed" in result.stderr
     assert "Traceback" not in result.stderr

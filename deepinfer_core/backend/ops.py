@@ -54,6 +54,14 @@ class RoutingConfig:
             raise ValueError(f"num_experts {self.num_experts} is not divisible by num_groups {self.num_groups}")
         if not 1 <= self.topk_groups <= self.num_groups:
             raise ValueError(f"topk_groups must be in 1..num_groups ({self.num_groups}), got {self.topk_groups}")
+        per_group = self.num_experts // self.num_groups
+        if self.method != "greedy" and self.top_k > self.topk_groups * per_group:
+            raise ValueError(
+                f"top_k {self.top_k} exceeds the {self.topk_groups * per_group} experts left in "
+                f"{self.topk_groups} kept group(s) of {per_group}; raise topk_groups or lower top_k"
+            )
+        if self.method == "noaux_tc" and per_group < 2:
+            raise ValueError(f"noaux_tc ranks groups by their two best experts; groups of {per_group} are too small")
 
 
 @dataclass(frozen=True, slots=True)

@@ -120,5 +120,5 @@ class AllToAllCommunicator:
         received_order[handle.recv_order] = expert_out
         returned = self._exchange(received_order, handle.recv_counts, handle.send_counts)  # [T*K, D]
         pair_rows = torch.empty_like(returned)
-        pair_rows[:] = returned
+        pair_rows[handle.send_order] = returned
         return _weighted_sum(pair_rows, topk_weights, expert_out.dtype)

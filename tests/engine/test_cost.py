@@ -35,15 +35,18 @@ def _brute_force(model, cached, remaining, budget, cap):
 MODEL = LinearCostModel(fixed_s=1e-3, per_token_s=1e-5, per_attended_s=1e-8)
 
 
-@pytest.mark.parametrize("cached, remaining, budget, cap", [
-    (0, 5000, 5e-3, 4096),  # budget binds
-    (0, 300, 1.0, 4096),  # remaining binds
-    (0, 5000, 1.0, 256),  # cap binds
-    (2000, 5000, 5e-3, 4096),  # a longer cache leaves room for fewer tokens
-    (0, 5000, 1e-4, 4096),  # nothing fits: still 1
-    (0, 0, 1.0, 4096),  # nothing remaining: still 1
-    (100, 777, 3e-3, 500),
-])
+@pytest.mark.parametrize(
+    "cached, remaining, budget, cap",
+    [
+        (0, 5000, 5e-3, 4096),  # budget binds
+        (0, 300, 1.0, 4096),  # remaining binds
+        (0, 5000, 1.0, 256),  # cap binds
+        (2000, 5000, 5e-3, 4096),  # a longer cache leaves room for fewer tokens
+        (0, 5000, 1e-4, 4096),  # nothing fits: still 1
+        (0, 0, 1.0, 4096),  # nothing remaining: still 1
+        (100, 777, 3e-3, 500),
+    ],
+)
 def test_largest_chunk_matches_brute_force(cached, remaining, budget, cap):
     got = largest_chunk(MODEL, cached, remaining, budget, cap=cap)
     assert got == _brute_force(MODEL, cached, remaining, budget, cap)

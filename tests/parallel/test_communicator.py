@@ -46,7 +46,9 @@ def _elementwise_expert(rows: torch.Tensor, expert_ids: torch.Tensor) -> torch.T
     return rows * (g + 1) + g
 
 
-def _linear_expert(rows: torch.Tensor, expert_ids: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+def _linear_expert(
+    rows: torch.Tensor, expert_ids: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
+) -> torch.Tensor:
     """A per-expert linear layer: rows of expert g -> rows @ weight[g].T + bias[g]."""
     out = torch.zeros_like(rows)
     for g in expert_ids.unique().tolist():
@@ -121,7 +123,7 @@ _SCENARIOS: dict[int, dict[str, dict]] = {
         "bf16": _make_scenario(14, [2, 5, 3, 4], 8, 2, dtype=torch.bfloat16),
     },
 }
-_SCENARIO_NAMES = ["k2_unused_experts", "k3_uneven_counts", "rank_without_tokens", "bf16"]
+_SCENARIO_NAMES = ["k2_unused_experts", "k3_uneven_counts", "bf16", "rank_without_tokens"]  # run in this order
 _FLOAT32_SCENARIOS = [n for n in _SCENARIO_NAMES if n != "bf16"]  # linear experts: tolerance needs float32
 assert all(sorted(s) == sorted(_SCENARIO_NAMES) for s in _SCENARIOS.values())
 
@@ -145,7 +147,10 @@ def _worker_main(argv: list[str]) -> None:
     try:
         spec = torch.load(in_path)
         dist.init_process_group(
-            "gloo", init_method=init_file.as_uri(), rank=rank, world_size=world_size,
+            "gloo",
+            init_method=init_file.as_uri(),
+            rank=rank,
+            world_size=world_size,
             timeout=timedelta(seconds=_GLOO_TIMEOUT_S),
         )
         comm = AllToAllCommunicator()
@@ -172,8 +177,10 @@ def _worker_main(argv: list[str]) -> None:
                     _linear_expert(d.hidden, ids, scenario["weight"], scenario["bias"]), d, inp["topk_weights"]
                 )
                 results[name] = {
-                    "rows": d.hidden, "tokens_per_expert": d.tokens_per_expert,
-                    "elementwise": elementwise, "linear": linear,
+                    "rows": d.hidden,
+                    "tokens_per_expert": d.tokens_per_expert,
+                    "elementwise": elementwise,
+                    "linear": linear,
                 }
             except Exception:  # noqa: BLE001 - reported per scenario; later collectives would not line up
                 results[name] = {"error": traceback.format_exc()}
@@ -189,6 +196,10 @@ def _worker_main(argv: list[str]) -> None:
         tmp = out_dir / f"rank{rank}.pt.tmp"
         torch.save(results, tmp)
         tmp.rename(out_dir / f"rank{rank}.pt")
+        if dist.is_initialized():
+            # Left early with a live gloo group: a normal interpreter exit would abort in its threads.
+            sys.stdout.flush()
+            os._exit(0)
 
 
 _BOOT = (
@@ -219,23 +230,37 @@ def _run_world(world_size: int, work_dir: Path) -> list[dict]:
     for rank in range(world_size):
         log = open(work_dir / f"rank{rank}.log", "wb")  # noqa: SIM115 - closed below
         logs.append(log)
-        cmd = [sys.executable, "-c", _BOOT, __file__, str(rank), str(world_size), str(init_file), str(in_path),
-               str(work_dir)]
+        cmd = [
+            sys.executable,
+            "-c",
+            _BOOT,
+            __file__,
+            str(rank),
+            str(world_size),
+            str(init_file),
+            str(in_path),
+            str(work_dir),
+        ]
         procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env))
     deadline = time.monotonic() + _WORLD_TIMEOUT_S
+    timed_out = False
     try:
         for proc in procs:
             proc.wait(timeout=max(0.1, deadline - time.monotonic()))
     except subprocess.TimeoutExpired:
+        timed_out = True
+    finally:  # also on KeyboardInterrupt: never leave a rank behind
         for proc in procs:
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
-        pytest.fail(f"world of {world_size} gloo ranks did not finish in {_WORLD_TIMEOUT_S}s:\n"
-                    + _logs(work_dir, world_size))
-    finally:
         for log in logs:
             log.close()
+    if timed_out:
+        pytest.fail(
+            f"world of {world_size} gloo ranks did not finish in {_WORLD_TIMEOUT_S}s (killed):\n"
+            + _logs(work_dir, world_size)
+        )
 
     results = []
     for rank, proc in enumerate(procs):
@@ -408,7 +433,9 @@ def test_all_to_all_reports_rank_and_world_size(world):
 def test_all_to_all_world_shuts_down_cleanly(world):
     _, results = world
     for rank, res in enumerate(results):
-        assert all(name in res and "error" not in res[name] for name in _SCENARIO_NAMES), f"rank {rank}: a scenario failed"
+        assert all(name in res and "error" not in res[name] for name in _SCENARIO_NAMES), (
+            f"rank {rank}: a scenario failed"
+        )
         assert "teardown" not in res, f"rank {rank}: barrier/destroy failed:\n{res['teardown']}"
 
 

@@ -75,7 +75,7 @@ def _dense_expected(q, entries, meta, key_dim, value_dim, value_offset, scale):
                 total = sum(w)
                 acc = torch.zeros(value_dim, dtype=torch.float64)
                 for s in range(pos + 1):
-                    acc += w[s] / total * kv[s, kvh, value_offset:value_offset + value_dim]
+                    acc += w[s] / total * kv[s, kvh, value_offset : value_offset + value_dim]
                 out[starts[b] + i, h] = acc
     return out
 
@@ -95,7 +95,8 @@ def test_paged_attention_matches_dense_causal(case):
     q = torch.randn(num_tokens, case["num_heads"], case["key_dim"], generator=torch.Generator().manual_seed(9))
     scale = case["key_dim"] ** -0.5
     out = ReferenceAttention(layout).paged_attention(
-        q, cache, spec, meta, scale=scale, value_dim=case["value_dim"], value_offset=case["value_offset"])
+        q, cache, spec, meta, scale=scale, value_dim=case["value_dim"], value_offset=case["value_offset"]
+    )
     assert out.shape == (num_tokens, case["num_heads"], case["value_dim"]) and out.dtype == q.dtype
     expected = _dense_expected(q, entries, meta, case["key_dim"], case["value_dim"], case["value_offset"], scale)
     torch.testing.assert_close(out, expected.float(), atol=1e-5, rtol=1e-4)
@@ -162,8 +163,9 @@ def test_paged_round_trip(dtype):
 def test_sliding_window_ring_wraps_modulo_window_plus_rollback():
     g = torch.Generator().manual_seed(12)
     layout = ReferenceKVLayout(CPU, block_size=BLOCK)
-    spec = CacheSpec(kind=CacheKind.SLIDING_WINDOW, dtype=torch.float32, num_heads=1, head_dim=2,
-                     window=4, rollback_slots=2)
+    spec = CacheSpec(
+        kind=CacheKind.SLIDING_WINDOW, dtype=torch.float32, num_heads=1, head_dim=2, window=4, rollback_slots=2
+    )
     ring = spec.ring_size
     assert ring == 6
     cache = layout.allocate(spec, 3)
@@ -173,7 +175,7 @@ def test_sliding_window_ring_wraps_modulo_window_plus_rollback():
     assert slots.tolist() == [1 * 6 + p % 6 for p in range(15)]
     values = torch.randn(15, 1, 2, generator=g)
     for start in range(0, 15, 4):  # prefill chunk, then more steps; each write has distinct slots
-        layout.write(cache, spec, slots[start:start + 4], values[start:start + 4])
+        layout.write(cache, spec, slots[start : start + 4], values[start : start + 4])
     last = positions[-ring:]  # the ring holds exactly the newest ring_size tokens
     torch.testing.assert_close(layout.gather(cache, spec, ring_slots(1, last, ring)), values[-ring:])
     # an old position's slot now holds the token that wrapped onto it
@@ -197,12 +199,15 @@ def test_sequence_state_round_trip():
     torch.testing.assert_close(layout.gather(cache, spec, torch.tensor([2])), values[1:])
 
 
-@pytest.mark.parametrize("kwargs", [
-    dict(kind=CacheKind.SEQUENCE_STATE),
-    dict(kind=CacheKind.PAGED, num_heads=1, head_dim=0),
-    dict(kind=CacheKind.PAGED, num_heads=0, head_dim=4),
-    dict(kind=CacheKind.SLIDING_WINDOW, num_heads=1, head_dim=4, window=0),
-])
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(kind=CacheKind.SEQUENCE_STATE),
+        dict(kind=CacheKind.PAGED, num_heads=1, head_dim=0),
+        dict(kind=CacheKind.PAGED, num_heads=0, head_dim=4),
+        dict(kind=CacheKind.SLIDING_WINDOW, num_heads=1, head_dim=4, window=0),
+    ],
+)
 def test_cache_spec_rejects_bad_values(kwargs):
     with pytest.raises(ValueError):
         CacheSpec(dtype=torch.float32, **kwargs)

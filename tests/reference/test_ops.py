@@ -77,8 +77,7 @@ def test_rotary_matches_per_pair_rotation(interleaved):
     x = torch.randn(5, 3, 8, generator=g)
     out = OPS.rotary(x, positions, cos, sin, interleaved=interleaved)
     assert out.shape == x.shape and out.dtype == x.dtype
-    torch.testing.assert_close(out, _rotary_expected(x, positions, inv_freq, interleaved).float(),
-                               atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out, _rotary_expected(x, positions, inv_freq, interleaved).float(), atol=1e-5, rtol=1e-5)
     # position 0 is the identity rotation
     torch.testing.assert_close(out[1], x[1])
 
@@ -154,7 +153,7 @@ def _route_one(logits, cfg, bias):
         size = cfg.num_experts // cfg.num_groups
         group_score = []
         for grp in range(cfg.num_groups):
-            members = sorted(choice[grp * size:(grp + 1) * size], reverse=True)
+            members = sorted(choice[grp * size : (grp + 1) * size], reverse=True)
             group_score.append(sum(members[:2]) if cfg.method == "noaux_tc" else members[0])
         kept = sorted(range(cfg.num_groups), key=lambda grp: -group_score[grp])[: cfg.topk_groups]
         allowed = [e for e in allowed if e // size in kept]
@@ -188,8 +187,16 @@ ROUTING_CASES = [
     RoutingConfig(num_experts=8, top_k=2),  # greedy / softmax
     RoutingConfig(num_experts=8, top_k=3, scoring="sigmoid", normalize=True, routed_scaling_factor=1.5),
     RoutingConfig(num_experts=16, top_k=3, method="group_limited_greedy", num_groups=4, topk_groups=2),
-    RoutingConfig(num_experts=16, top_k=4, method="noaux_tc", scoring="sigmoid", num_groups=4, topk_groups=2,
-                  normalize=True, routed_scaling_factor=2.5),
+    RoutingConfig(
+        num_experts=16,
+        top_k=4,
+        method="noaux_tc",
+        scoring="sigmoid",
+        num_groups=4,
+        topk_groups=2,
+        normalize=True,
+        routed_scaling_factor=2.5,
+    ),
 ]
 
 
@@ -218,8 +225,7 @@ def test_group_score_is_max_for_v2_and_top2_sum_for_v3():
 
 def test_noaux_tc_bias_changes_selection_but_not_weights():
     g = _gen(6)
-    cfg = RoutingConfig(num_experts=8, top_k=2, method="noaux_tc", scoring="sigmoid", num_groups=2,
-                        topk_groups=1)
+    cfg = RoutingConfig(num_experts=8, top_k=2, method="noaux_tc", scoring="sigmoid", num_groups=2, topk_groups=1)
     logits = torch.randn(6, 8, generator=g)
     unbiased = _check_route(logits, cfg, torch.zeros(8))
     # a strong boost for the experts that are never picked without the bias
@@ -234,16 +240,30 @@ def test_noaux_tc_bias_changes_selection_but_not_weights():
             assert w == pytest.approx(float(sig[t, e]), rel=1e-6)
 
 
-@pytest.mark.parametrize("kwargs", [
-    dict(num_experts=8, top_k=0),
-    dict(num_experts=8, top_k=9),
-    dict(num_experts=8, top_k=2, num_groups=3),
-    dict(num_experts=8, top_k=2, num_groups=2, topk_groups=0),
-    dict(num_experts=8, top_k=2, num_groups=2, topk_groups=3),
-])
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(num_experts=8, top_k=0),
+        dict(num_experts=8, top_k=9),
+        dict(num_experts=8, top_k=2, num_groups=3),
+        dict(num_experts=8, top_k=2, num_groups=2, topk_groups=0),
+        dict(num_experts=8, top_k=2, num_groups=2, topk_groups=3),
+    ],
+)
 def test_routing_config_rejects_bad_values(kwargs):
     with pytest.raises(ValueError):
         RoutingConfig(**kwargs)
+
+
+def test_routing_config_rejects_top_k_beyond_the_kept_groups():
+    with pytest.raises(ValueError, match="top_k 4 exceeds the 2 experts left"):
+        RoutingConfig(num_experts=8, top_k=4, method="group_limited_greedy", num_groups=4, topk_groups=1)
+    RoutingConfig(num_experts=8, top_k=4, method="greedy", num_groups=4, topk_groups=1)  # groups unused
+
+
+def test_routing_config_rejects_noaux_tc_groups_of_one():
+    with pytest.raises(ValueError, match="two best experts"):
+        RoutingConfig(num_experts=4, top_k=1, method="noaux_tc", num_groups=4, topk_groups=2)
 
 
 # ------------------------------------------------------------------------------------- expert_ffn
@@ -251,7 +271,7 @@ def test_routing_config_rejects_bad_values(kwargs):
 
 def test_expert_ffn_matches_per_row_loop():
     g = _gen(7)
-    E, D, I = 4, 6, 5
+    E, D, I = 4, 6, 5  # noqa: E741 (I is the intermediate size, as in the papers)
     tokens_per_expert = torch.tensor([2, 0, 3, 1])  # an expert with no tokens in the middle
     x = torch.randn(6, D, generator=g)
     w13 = torch.randn(E, 2 * I, D, generator=g) / 2

@@ -49,18 +49,30 @@ def _assert_matches_distribution(tokens, probs):
 # --------------------------------------------------------------------------------------- params
 
 
-@pytest.mark.parametrize("field, value", [
-    ("temperature", -0.1), ("temperature", float("nan")),
-    ("top_k", -2),
-    ("top_p", 0.0), ("top_p", 1.01), ("top_p", float("nan")),
-    ("min_p", -0.01), ("min_p", 1.5),
-    ("repetition_penalty", 0.0), ("repetition_penalty", -1.0),
-    ("presence_penalty", 2.5), ("presence_penalty", -2.01),
-    ("frequency_penalty", 3.0), ("frequency_penalty", -2.5),
-    ("seed", -1), ("seed", 2**64),
-    ("max_tokens", 0),
-    ("logprobs", -1), ("logprobs", 21),
-])
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("temperature", -0.1),
+        ("temperature", float("nan")),
+        ("top_k", -2),
+        ("top_p", 0.0),
+        ("top_p", 1.01),
+        ("top_p", float("nan")),
+        ("min_p", -0.01),
+        ("min_p", 1.5),
+        ("repetition_penalty", 0.0),
+        ("repetition_penalty", -1.0),
+        ("presence_penalty", 2.5),
+        ("presence_penalty", -2.01),
+        ("frequency_penalty", 3.0),
+        ("frequency_penalty", -2.5),
+        ("seed", -1),
+        ("seed", 2**64),
+        ("max_tokens", 0),
+        ("logprobs", -1),
+        ("logprobs", 21),
+    ],
+)
 def test_sampling_params_rejects_bad_value_naming_the_field(field, value):
     with pytest.raises(ValueError, match=field):
         SamplingParams(**{field: value})
@@ -72,8 +84,18 @@ def test_sampling_params_rejects_empty_stop_string():
 
 
 def test_sampling_params_accepts_edge_values():
-    p = SamplingParams(temperature=0.0, top_k=-1, top_p=1.0, min_p=1.0, presence_penalty=-2.0,
-                       frequency_penalty=2.0, seed=2**64 - 1, max_tokens=1, logprobs=20, stop=("x",))
+    p = SamplingParams(
+        temperature=0.0,
+        top_k=-1,
+        top_p=1.0,
+        min_p=1.0,
+        presence_penalty=-2.0,
+        frequency_penalty=2.0,
+        seed=2**64 - 1,
+        max_tokens=1,
+        logprobs=20,
+        stop=("x",),
+    )
     assert p.greedy
     assert not SamplingParams(temperature=0.7).greedy
 
@@ -97,9 +119,10 @@ def _gumbel_by_hand(seed: int, step: int, token: int) -> float:
 
 
 def test_gumbel_noise_follows_documented_formula():
-    seeds, steps = [0, 1, 123456789, 2**40 + 7], [0, 3, 1, 99]
-    noise = gumbel_noise(torch.tensor(seeds), torch.tensor(steps), 6)
-    expected = [[_gumbel_by_hand(s, t, v) for v in range(6)] for s, t in zip(seeds, steps)]
+    # 512 values: several hit the int64 wrap-around of the second multiply in the tensor version
+    seeds, steps = [0, 1, 123456789, 2**40 + 7, 2**32 - 1, 2**62 + 5, 31337, 2**33], [0, 3, 1, 99, 2**31, 7, 0, 5]
+    noise = gumbel_noise(torch.tensor(seeds), torch.tensor(steps), 64)
+    expected = [[_gumbel_by_hand(s, t, v) for v in range(64)] for s, t in zip(seeds, steps)]
     torch.testing.assert_close(noise, torch.tensor(expected, dtype=torch.float32), atol=0, rtol=0)
 
 
@@ -163,11 +186,17 @@ def _nucleus(probs, top_p):
     return kept
 
 
-@pytest.mark.parametrize("params, allowed", [
-    (SamplingParams(top_k=3), {1, 5, 14}),
-    (SamplingParams(temperature=0.8, top_p=0.5), set(_nucleus(_softmax([x / 0.8 for x in LOGITS16]), 0.5))),
-    (SamplingParams(min_p=0.5), {i for i, p in enumerate(_softmax(LOGITS16)) if p >= 0.5 * max(_softmax(LOGITS16))}),
-])
+@pytest.mark.parametrize(
+    "params, allowed",
+    [
+        (SamplingParams(top_k=3), {1, 5, 14}),
+        (SamplingParams(temperature=0.8, top_p=0.5), set(_nucleus(_softmax([x / 0.8 for x in LOGITS16]), 0.5))),
+        (
+            SamplingParams(min_p=0.5),
+            {i for i, p in enumerate(_softmax(LOGITS16)) if p >= 0.5 * max(_softmax(LOGITS16))},
+        ),
+    ],
+)
 def test_filters_never_sample_a_filtered_token(params, allowed):
     assert 1 < len(allowed) < 16
     tokens = set(_sample_many(LOGITS16, params, 600).tolist())
@@ -199,19 +228,31 @@ def test_top_p_distribution_is_renormalised_nucleus():
     _assert_matches_distribution(_sample_many(logits, SamplingParams(top_p=0.7), 4000), expected)
 
 
+def test_top_p_applies_to_top_k_renormalised_distribution():
+    probs = [0.3, 0.25, 0.2, 0.1, 0.06, 0.05, 0.04]
+    # top-3 renormalised: 0.3/0.75 = 0.4, then 0.333 -> cumulative 0.733 >= 0.7, so the third is cut;
+    # on the raw distribution the mass before the third token would be 0.55 < 0.7 and it would stay
+    params = SamplingParams(top_k=3, top_p=0.7)
+    tokens = _sample_many([math.log(p) for p in probs], params, 4000)
+    _assert_matches_distribution(tokens, [0.3 / 0.55, 0.25 / 0.55, 0, 0, 0, 0, 0])
+
+
 def test_apply_penalties_hand_computed():
-    logits = torch.tensor([[2.0, -1.0, 0.5, -3.0, 1.0, 0.0],
-                           [-1.0, 3.0, 0.0, 0.0, 0.0, 1.5]])
-    params = [SamplingParams(repetition_penalty=2.0, frequency_penalty=0.5, presence_penalty=0.25),
-              SamplingParams(repetition_penalty=1.5)]
+    logits = torch.tensor([[2.0, -1.0, 0.5, -3.0, 1.0, 0.0], [-1.0, 3.0, 0.0, 0.0, 0.0, 1.5]])
+    params = [
+        SamplingParams(repetition_penalty=2.0, frequency_penalty=0.5, presence_penalty=0.25),
+        SamplingParams(repetition_penalty=1.5),
+    ]
     batch = _batch(params, [1, 2], prompts=[[0, 1], [5]], outputs=[[2, 2, 3], []])
-    expected = torch.tensor([
-        # 0: prompt, positive -> /2; 1: prompt, negative -> *2; 2: output x2 -> 0.5/2 - 0.5*2 - 0.25;
-        # 3: output x1 -> -3*2 - 0.5 - 0.25; 4, 5: unseen
-        [1.0, -2.0, -1.0, -6.75, 1.0, 0.0],
-        # only token 5 seen (prompt): 1.5 / 1.5; -1 padding must not count as any token
-        [-1.0, 3.0, 0.0, 0.0, 0.0, 1.0],
-    ])
+    expected = torch.tensor(
+        [
+            # 0: prompt, positive -> /2; 1: prompt, negative -> *2; 2: output x2 -> 0.5/2 - 0.5*2 - 0.25;
+            # 3: output x1 -> -3*2 - 0.5 - 0.25; 4, 5: unseen
+            [1.0, -2.0, -1.0, -6.75, 1.0, 0.0],
+            # only token 5 seen (prompt): 1.5 / 1.5; -1 padding must not count as any token
+            [-1.0, 3.0, 0.0, 0.0, 0.0, 1.0],
+        ]
+    )
     torch.testing.assert_close(apply_penalties(logits, batch), expected)
 
 
@@ -219,15 +260,18 @@ def test_penalties_steer_greedy_choice():
     logits = torch.tensor([[2.0, 1.9, 0.0]])
     plain = SAMPLER.sample(logits, _batch([SamplingParams(temperature=0)], [0], outputs=[[0]]))
     penalized = SAMPLER.sample(
-        logits, _batch([SamplingParams(temperature=0, repetition_penalty=1.5)], [0], outputs=[[0]]))
+        logits, _batch([SamplingParams(temperature=0, repetition_penalty=1.5)], [0], outputs=[[0]])
+    )
     assert plain.token_ids.tolist() == [0] and penalized.token_ids.tolist() == [1]
 
 
 def test_logprobs_are_raw_log_softmax_with_sorted_top():
     logits = torch.randn(3, 10, generator=torch.Generator().manual_seed(5)) * 2
-    params = [SamplingParams(logprobs=3, repetition_penalty=1.8, temperature=0.5),
-              SamplingParams(logprobs=0, top_k=2),
-              SamplingParams(temperature=0, presence_penalty=1.0)]
+    params = [
+        SamplingParams(logprobs=3, repetition_penalty=1.8, temperature=0.5),
+        SamplingParams(logprobs=0, top_k=2),
+        SamplingParams(temperature=0, presence_penalty=1.0),
+    ]
     batch = _batch(params, [7, 8, 9], prompts=[[0, 1, 2], [3], [4]], outputs=[[5], [], [6, 6]])
     assert batch.num_logprobs == 3
     out = SAMPLER.sample(logits, batch)
@@ -249,9 +293,14 @@ def test_no_logprobs_gives_empty_top():
 
 def test_sampled_token_is_batch_invariant():
     g = torch.Generator().manual_seed(6)
-    params = [SamplingParams(), SamplingParams(temperature=0.6, top_k=5), SamplingParams(top_p=0.8),
-              SamplingParams(min_p=0.1, temperature=1.3), SamplingParams(temperature=0),
-              SamplingParams(repetition_penalty=1.3, frequency_penalty=0.4, presence_penalty=0.2)]
+    params = [
+        SamplingParams(),
+        SamplingParams(temperature=0.6, top_k=5),
+        SamplingParams(top_p=0.8),
+        SamplingParams(min_p=0.1, temperature=1.3),
+        SamplingParams(temperature=0),
+        SamplingParams(repetition_penalty=1.3, frequency_penalty=0.4, presence_penalty=0.2),
+    ]
     n = len(params)
     seeds = [11, 2**63 + 3, 12, 13, 14, 15]
     prompts = [[1, 2, 3], [4], [], [5, 6, 7, 8, 9], [0], [10, 11]]
@@ -259,12 +308,17 @@ def test_sampled_token_is_batch_invariant():
     logits = torch.randn(n, 40, generator=g) * 2
     together = SAMPLER.sample(logits, SamplingBatch.build(params, seeds, prompts, outputs)).token_ids
     for i in range(n):
-        alone = SAMPLER.sample(logits[i:i + 1], SamplingBatch.build([params[i]], [seeds[i]], [prompts[i]],
-                                                                    [outputs[i]])).token_ids
+        alone = SAMPLER.sample(
+            logits[i : i + 1], SamplingBatch.build([params[i]], [seeds[i]], [prompts[i]], [outputs[i]])
+        ).token_ids
         assert alone.item() == together[i].item()
     perm = [3, 0, 5, 1, 4, 2]
-    shuffled = SAMPLER.sample(logits[perm], SamplingBatch.build([params[i] for i in perm], [seeds[i] for i in perm],
-                                                                [prompts[i] for i in perm], [outputs[i] for i in perm]))
+    shuffled = SAMPLER.sample(
+        logits[perm],
+        SamplingBatch.build(
+            [params[i] for i in perm], [seeds[i] for i in perm], [prompts[i] for i in perm], [outputs[i] for i in perm]
+        ),
+    )
     assert shuffled.token_ids.tolist() == [together[i].item() for i in perm]
 
 
