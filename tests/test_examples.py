@@ -7,23 +7,17 @@ from pathlib import Path
 EXAMPLES = Path(__file__).parent.parent / "examples"
 
 
+def run_example(name: str, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(EXAMPLES / name), *args], capture_output=True, text=True, timeout=120)
+
+
 def test_select_backend_example_runs_on_cpu():
-    result = subprocess.run(
-        [sys.executable, str(EXAMPLES / "select_backend.py"), "--accelerator", "cpu"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    result = run_example("select_backend.py", "--accelerator", "cpu")
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("backend cpu on cpu: rms_norm + linear -> (4, 100)")
 
 
 def test_select_backend_example_reports_an_unavailable_backend():
-    result = subprocess.run(
-        [sys.executable, str(EXAMPLES / "select_backend.py"), "--accelerator", "ascend"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    result = run_example("select_backend.py", "--accelerator", "ascend")
     assert result.returncode == 2 and "torch_npu is not installed" in result.stderr
     assert "Traceback" not in result.stderr
