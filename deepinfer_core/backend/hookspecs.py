@@ -91,10 +91,12 @@ class BackendSpec:
         """
 
     @hookspec(firstresult=True)
-    def deepinfer_backend_kv_layout(self, device: DeviceFacts) -> KVLayout:
+    def deepinfer_backend_kv_layout(self, device: DeviceFacts, block_size: int | None) -> KVLayout:
         """Return the physical KV-cache layout (block size, allocation, write, canonical gather).
 
-        Required. Called: once at engine build, before the block manager is sized.
+        Required. Args: `block_size` is the operator's request, always one of Capabilities.block_sizes,
+        or None for the backend's preferred size. Called: once at engine build, before the block
+        manager is sized.
         """
 
     @hookspec(firstresult=True)

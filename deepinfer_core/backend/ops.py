@@ -20,6 +20,7 @@ OP_NAMES = (
     "rms_norm",
     "rotary",
     "linear",
+    "head_linear",
     "silu_and_mul",
     "moe_route",
     "expert_ffn",
@@ -103,6 +104,10 @@ class Ops(Protocol):
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """x [T, K] @ weight[N, K]^T (+ bias [N]) -> [T, N]."""
+        ...
+
+    def head_linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """Per-head linear map: x [T, H, K], weight [H, N, K] -> [T, H, N] (MLA's weight absorption)."""
         ...
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:

@@ -56,6 +56,7 @@ def resolve_backend(
     device_index: int = 0,
     world_size: int = 1,
     rank: int = 0,
+    block_size: int | None = None,
 ) -> ResolvedBackend:
     """Build everything an engine needs from `backend` for one device and compute dtype."""
     if not backend.available:
@@ -64,11 +65,21 @@ def resolve_backend(
     if dtype_name not in backend.capabilities.dtypes:
         supported = ", ".join(backend.capabilities.dtypes)
         raise BackendSelectionError(f"backend {backend.name} does not compute in {dtype_name}; it supports {supported}")
+    if block_size is not None and block_size not in backend.capabilities.block_sizes:
+        sizes = ", ".join(map(str, backend.capabilities.block_sizes))
+        raise BackendSelectionError(
+            f"backend {backend.name} does not take {block_size}-token KV blocks; it takes {sizes}"
+        )
     hook = backend.manager.hook
     device = _checked(
         backend, "deepinfer_backend_device", hook.deepinfer_backend_device(index=device_index), DeviceFacts
     )
-    layout = _checked(backend, "deepinfer_backend_kv_layout", hook.deepinfer_backend_kv_layout(device=device), KVLayout)
+    layout = _checked(
+        backend,
+        "deepinfer_backend_kv_layout",
+        hook.deepinfer_backend_kv_layout(device=device, block_size=block_size),
+        KVLayout,
+    )
     return ResolvedBackend(
         info=backend.info,
         capabilities=backend.capabilities,

@@ -35,6 +35,9 @@ class ReferenceOps:
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         return F.linear(x, weight, bias)
 
+    def head_linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return torch.einsum("thk,hnk->thn", x, weight)
+
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up

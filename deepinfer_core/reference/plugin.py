@@ -34,7 +34,7 @@ def deepinfer_backend_capabilities():
     return Capabilities(
         dtypes=("float32", "bfloat16"),
         cache_kinds=tuple(CacheKind),
-        block_sizes=(128,),
+        block_sizes=(128, 64, 32, 16),
         batch_invariant=False,  # torch's CPU GEMMs may block differently by batch size
         deterministic_sampling=True,
         communicators=("in_process", "torch_distributed:gloo"),
@@ -72,8 +72,8 @@ def deepinfer_backend_ops():
 
 
 @hookimpl
-def deepinfer_backend_kv_layout(device):
-    return ReferenceKVLayout(torch.device(device.torch_device))
+def deepinfer_backend_kv_layout(device, block_size):
+    return ReferenceKVLayout(torch.device(device.torch_device), block_size or 128)
 
 
 @hookimpl
