@@ -1,0 +1,44 @@
+"""Model code written against the backend contract, the checkpoint loader, and the model registry."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pluggy
+
+from deepinfer_core.backend.extensions import ModelRegistry
+from deepinfer_core.backend.resolve import ResolvedBackend
+from deepinfer_core.model.config import DeepseekConfig
+from deepinfer_core.model.deepseek_v3 import FLOAT32_WEIGHTS, DeepseekV3Model, expected_weights
+from deepinfer_core.model.loader import CheckpointError, load_tensors, read_config
+
+__all__ = ["load_deepseek", "load_model", "model_registry"]
+
+
+def load_deepseek(path: Path, raw_config: dict[str, Any], backend: ResolvedBackend, progress: bool = True):
+    config = DeepseekConfig.from_hf(raw_config)
+    weights = load_tensors(path, raw_config, expected_weights(config), backend.dtype, FLOAT32_WEIGHTS, progress)
+    return DeepseekV3Model(config, weights, backend)
+
+
+def model_registry(plugin_manager: pluggy.PluginManager | None = None) -> ModelRegistry:
+    """Built-in architectures plus those registered by `deepinfer.plugins` plugins."""
+    registry = ModelRegistry()
+    for architecture in ("DeepseekV3ForCausalLM", "DeepseekV2ForCausalLM"):
+        registry.register(architecture, load_deepseek)
+    if plugin_manager is not None:
+        plugin_manager.hook.deepinfer_register_models(registry=registry)
+    return registry
+
+
+def load_model(path: Path, backend: ResolvedBackend, registry: ModelRegistry, progress: bool = True):
+    """Read config.json, pick the factory for its architecture and build the model on `backend`."""
+    raw = read_config(path)
+    architectures = raw.get("architectures") or []
+    for architecture in architectures:
+        if architecture in registry.architectures():
+            return registry.get(architecture)(path, raw, backend, progress)
+    known = ", ".join(registry.architectures())
+    raise CheckpointError(f"unknown architecture {', '.join(architectures) or '(none)'} in {path}/config.json; "
+                          f"DeepInfer serves {known}")

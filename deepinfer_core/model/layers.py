@@ -1,0 +1,111 @@
+"""DeepSeek layers written against the backend contract: MLA attention, dense MLP, routed MoE.
+
+No device-specific code: every heavy op is a call on the resolved backend (ops, attention, KV layout,
+expert communicator). Shapes: T tokens in the step, D hidden, H heads, C = kv_lora_rank, R rope dims.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from deepinfer_core.backend.ops import AttentionMetadata
+from deepinfer_core.backend.resolve import ResolvedBackend
+from deepinfer_core.kv.layout import CacheSpec
+from deepinfer_core.model.config import DeepseekConfig
+
+__all__ = ["DenseMLP", "MLAttention", "MoE"]
+
+Weights = dict[str, torch.Tensor]
+
+
+class DenseMLP:
+    """down(silu(gate(x)) * up(x)), with gate and up fused into one GEMM."""
+
+    def __init__(self, backend: ResolvedBackend, w: Weights, prefix: str) -> None:
+        self.ops = backend.ops
+        self.w13 = torch.cat([w[f"{prefix}.gate_proj.weight"], w[f"{prefix}.up_proj.weight"]])  # [2I, D]
+        self.w2 = w[f"{prefix}.down_proj.weight"]  # [D, I]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.ops.linear(self.ops.silu_and_mul(self.ops.linear(x, self.w13)), self.w2)
+
+
+class MoE:
+    """Routed experts (grouped top-k with score-correction bias) plus always-on shared experts."""
+
+    def __init__(self, backend: ResolvedBackend, config: DeepseekConfig, w: Weights, prefix: str) -> None:
+        self.ops = backend.ops
+        self.comm = backend.communicator
+        self.routing = config.routing
+        self.gate = w[f"{prefix}.gate.weight"]  # [E, D] float32
+        self.bias = w.get(f"{prefix}.gate.e_score_correction_bias")  # [E] float32 or None
+        per_rank = config.n_routed_experts // self.comm.world_size
+        local = range(self.comm.rank * per_rank, (self.comm.rank + 1) * per_rank)
+        expert = f"{prefix}.experts"
+        self.w13 = torch.stack(
+            [torch.cat([w[f"{expert}.{e}.gate_proj.weight"], w[f"{expert}.{e}.up_proj.weight"]]) for e in local]
+        )  # [E_local, 2I, D]
+        self.w2 = torch.stack([w[f"{expert}.{e}.down_proj.weight"] for e in local])  # [E_local, D, I]
+        self.shared = DenseMLP(backend, w, f"{prefix}.shared_experts") if config.n_shared_experts else None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        router_logits = self.ops.linear(x.float(), self.gate)  # [T, E], routed in float32
+        weights, ids = self.ops.moe_route(router_logits, self.routing, self.bias)  # [T, K]
+        dispatched = self.comm.dispatch(x, ids, self.routing.num_experts)
+        expert_out = self.ops.expert_ffn(dispatched.hidden, dispatched.tokens_per_expert, self.w13, self.w2)
+        out = self.comm.combine(expert_out, dispatched, weights)  # [T, D]
+        return out if self.shared is None else out + self.shared(x)
+
+
+class MLAttention:
+    """Multi-head latent attention in weight-absorbed form over a paged cache of latents [C + R].
+
+    The cache holds one entry per token: the normalised compressed KV c [C] and the rotated shared
+    key k_pe [R]. Queries are absorbed into latent space (q_nope @ W_UK), attention runs over the
+    latents, and the result leaves latent space through W_UV.
+    """
+
+    def __init__(
+        self,
+        backend: ResolvedBackend,
+        config: DeepseekConfig,
+        w: Weights,
+        prefix: str,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        scale: float,
+    ) -> None:
+        self.ops, self.attention, self.layout = backend.ops, backend.attention, backend.kv_layout
+        self.config, self.cos, self.sin, self.scale = config, rope[0], rope[1], scale
+        self.w = {k.removeprefix(prefix + "."): v for k, v in w.items() if k.startswith(prefix + ".")}
+        heads, nope, v = config.num_attention_heads, config.qk_nope_head_dim, config.v_head_dim
+        kv_b = self.w["kv_b_proj.weight"].view(heads, nope + v, config.kv_lora_rank)  # [H, nope + v, C]
+        self.w_uk = kv_b[:, :nope, :].transpose(1, 2).contiguous()  # [H, C, nope]: q_nope -> latent
+        self.w_uv = kv_b[:, nope:, :].contiguous()  # [H, v, C]: latent -> value
+
+    def _queries(self, x: torch.Tensor) -> torch.Tensor:
+        w, ops = self.w, self.ops
+        if self.config.q_lora_rank is None:
+            q = ops.linear(x, w["q_proj.weight"])
+        else:
+            q_latent = ops.linear(x, w["q_a_proj.weight"], w.get("q_a_proj.bias"))
+            q = ops.linear(ops.rms_norm(q_latent, w["q_a_layernorm.weight"], self.config.rms_norm_eps), w["q_b_proj.weight"])
+        return q.view(x.shape[0], self.config.num_attention_heads, self.config.qk_head_dim)  # [T, H, nope + R]
+
+    def __call__(
+        self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, cache: torch.Tensor, spec: CacheSpec
+    ) -> torch.Tensor:
+        cfg, ops, w = self.config, self.ops, self.w
+        interleaved = cfg.rope_interleave
+        q = self._queries(x)
+        q_nope, q_pe = q[..., : cfg.qk_nope_head_dim], q[..., cfg.qk_nope_head_dim :]
+        kv = ops.linear(x, w["kv_a_proj_with_mqa.weight"], w.get("kv_a_proj_with_mqa.bias"))  # [T, C + R]
+        latent = ops.rms_norm(kv[:, : cfg.kv_lora_rank], w["kv_a_layernorm.weight"], cfg.rms_norm_eps)  # [T, C]
+        k_pe = ops.rotary(kv[:, None, cfg.kv_lora_rank :], positions, self.cos, self.sin, interleaved=interleaved)
+        self.layout.write(cache, spec, meta.slot_mapping, torch.cat([latent[:, None, :], k_pe], dim=-1))
+        q_pe = ops.rotary(q_pe, positions, self.cos, self.sin, interleaved=interleaved)  # [T, H, R]
+        q_latent = torch.cat([ops.head_linear(q_nope, self.w_uk), q_pe], dim=-1)  # [T, H, C + R]
+        out = self.attention.paged_attention(
+            q_latent, cache, spec, meta, scale=self.scale, value_dim=cfg.kv_lora_rank
+        )  # [T, H, C]
+        out = ops.head_linear(out, self.w_uv).reshape(x.shape[0], -1)  # [T, H * v]
+        return ops.linear(out, w["o_proj.weight"], w.get("o_proj.bias"))

@@ -1,0 +1,123 @@
+"""Read a Hugging Face-format checkpoint: config.json, safetensors (single or sharded), FP8 block scales.
+
+DeepSeek's official FP8 checkpoints store `W` as float8_e4m3fn with `W_scale_inv` holding one float32
+multiplier per [128, 128] block; backends without FP8 GEMM get `W` dequantized here (W * scale).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from tqdm import tqdm
+
+from deepinfer_core.errors import DeepInferError
+
+__all__ = ["CheckpointError", "dequantize_fp8_blocks", "load_tensors", "read_config"]
+
+log = logging.getLogger(__name__)
+INDEX_FILE = "model.safetensors.index.json"
+
+
+class CheckpointError(DeepInferError):
+    """The checkpoint on disk is missing something or holds something of the wrong shape."""
+
+
+def read_config(path: Path) -> dict[str, Any]:
+    if not path.is_dir():
+        raise CheckpointError(f"model path {path} is not a directory (expected a Hugging Face checkpoint folder)")
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise CheckpointError(f"no config.json in {path}: is this a Hugging Face-format checkpoint?")
+    try:
+        return json.loads(config_file.read_text())
+    except json.JSONDecodeError as err:
+        raise CheckpointError(f"{config_file} is not valid JSON: {err}") from None
+
+
+def _tensor_files(path: Path) -> dict[str, Path]:
+    """Tensor name -> file holding it."""
+    index = path / INDEX_FILE
+    if index.is_file():
+        weight_map = json.loads(index.read_text()).get("weight_map", {})
+        missing = sorted({f for f in weight_map.values() if not (path / f).is_file()})
+        if missing:
+            raise CheckpointError(f"{INDEX_FILE} in {path} names shard(s) that are not there: {', '.join(missing)}")
+        return {name: path / file for name, file in weight_map.items()}
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"no *.safetensors files in {path}")
+    names = {}
+    for file in files:
+        with safe_open(file, "pt") as f:
+            names.update(dict.fromkeys(f.keys(), file))
+    return names
+
+
+def dequantize_fp8_blocks(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """weight [N, K] float8 with scale_inv [ceil(N/bn), ceil(K/bk)] -> float32 [N, K] = weight * scale."""
+    rows, cols = weight.shape
+    scale = scale_inv.float().repeat_interleave(block[0], dim=0).repeat_interleave(block[1], dim=1)
+    return weight.float() * scale[:rows, :cols]
+
+
+def _fp8_block(config: Mapping[str, Any]) -> tuple[int, int] | None:
+    quant = config.get("quantization_config")
+    if not quant:
+        return None
+    if quant.get("quant_method") != "fp8":
+        raise CheckpointError(f"quantization method {quant.get('quant_method')!r} is not supported (supported: fp8)")
+    block = quant.get("weight_block_size") or [128, 128]
+    return int(block[0]), int(block[1])
+
+
+def load_tensors(
+    path: Path,
+    config: Mapping[str, Any],
+    expected: Mapping[str, tuple[int, ...]],
+    dtype: torch.dtype,
+    keep_float32: re.Pattern[str] | None = None,
+    progress: bool = True,
+) -> dict[str, torch.Tensor]:
+    """Load exactly the tensors in `expected` (name -> shape), checking each shape, cast to `dtype`
+    (names matching `keep_float32` stay float32). Extra tensors in the checkpoint are skipped."""
+    files = _tensor_files(path)
+    missing = [name for name in expected if name not in files]
+    if missing:
+        shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+        raise CheckpointError(f"checkpoint {path} is missing {len(missing)} tensor(s) the model needs: {shown}")
+    block = _fp8_block(config)
+    by_file: dict[Path, list[str]] = {}
+    for name in expected:
+        by_file.setdefault(files[name], []).append(name)
+    tensors: dict[str, torch.Tensor] = {}
+    bar = tqdm(total=len(expected), desc="Loading weights", unit="tensor", disable=not progress, leave=False)
+    for file, names in by_file.items():
+        with safe_open(file, "pt") as f:
+            for name in names:
+                tensor = f.get_tensor(name)
+                if tensor.dtype == torch.float8_e4m3fn:
+                    scale_name = name + "_scale_inv"
+                    if block is None or scale_name not in files:
+                        raise CheckpointError(f"tensor {name} is FP8 but {scale_name} / quantization_config is missing")
+                    with safe_open(files[scale_name], "pt") as scales:
+                        tensor = dequantize_fp8_blocks(tensor, scales.get_tensor(scale_name), block)
+                if tuple(tensor.shape) != tuple(expected[name]):
+                    raise CheckpointError(
+                        f"tensor {name} in {file.name} has shape {tuple(tensor.shape)}, but the config implies "
+                        f"{tuple(expected[name])}"
+                    )
+                keep = keep_float32 is not None and keep_float32.search(name)
+                tensors[name] = tensor.to(torch.float32 if keep else dtype)
+                bar.update()
+    bar.close()
+    unused = [n for n in files if n not in expected and not n.endswith("_scale_inv")]
+    if unused:
+        log.debug("skipped %d checkpoint tensors the model does not use (e.g. %s)", len(unused), unused[0])
+    return tensors
