@@ -40,5 +40,6 @@ def load_model(path: Path, backend: ResolvedBackend, registry: ModelRegistry, pr
         if architecture in registry.architectures():
             return registry.get(architecture)(path, raw, backend, progress)
     known = ", ".join(registry.architectures())
-    raise CheckpointError(f"unknown architecture {', '.join(architectures) or '(none)'} in {path}/config.json; "
-                          f"DeepInfer serves {known}")
+    raise CheckpointError(
+        f"unknown architecture {', '.join(architectures) or '(none)'} in {path}/config.json; DeepInfer serves {known}"
+    )

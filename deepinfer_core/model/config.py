@@ -97,9 +97,7 @@ class DeepseekConfig:
         return self.kv_lora_rank + self.qk_rope_head_dim
 
     def is_moe_layer(self, index: int) -> bool:
-        return (
-            self.n_routed_experts > 0 and index >= self.first_k_dense_replace and index % self.moe_layer_freq == 0
-        )
+        return self.n_routed_experts > 0 and index >= self.first_k_dense_replace and index % self.moe_layer_freq == 0
 
     @classmethod
     def from_hf(cls, raw: dict[str, Any]) -> DeepseekConfig:

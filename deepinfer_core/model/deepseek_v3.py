@@ -93,7 +93,9 @@ class DeepseekV3Model:
             p = f"model.layers.{i}"
             attention = MLAttention(backend, config, w, f"{p}.self_attn", rope, scale)
             mlp = MoE(backend, config, w, f"{p}.mlp") if config.is_moe_layer(i) else DenseMLP(backend, w, f"{p}.mlp")
-            self.layers.append((w[f"{p}.input_layernorm.weight"], attention, w[f"{p}.post_attention_layernorm.weight"], mlp))
+            self.layers.append(
+                (w[f"{p}.input_layernorm.weight"], attention, w[f"{p}.post_attention_layernorm.weight"], mlp)
+            )
 
     @property
     def num_layers(self) -> int:

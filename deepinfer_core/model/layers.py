@@ -88,7 +88,9 @@ class MLAttention:
             q = ops.linear(x, w["q_proj.weight"])
         else:
             q_latent = ops.linear(x, w["q_a_proj.weight"], w.get("q_a_proj.bias"))
-            q = ops.linear(ops.rms_norm(q_latent, w["q_a_layernorm.weight"], self.config.rms_norm_eps), w["q_b_proj.weight"])
+            q = ops.linear(
+                ops.rms_norm(q_latent, w["q_a_layernorm.weight"], self.config.rms_norm_eps), w["q_b_proj.weight"]
+            )
         return q.view(x.shape[0], self.config.num_attention_heads, self.config.qk_head_dim)  # [T, H, nope + R]
 
     def __call__(

@@ -20,9 +20,14 @@ def _inverse_frequencies(rope: RopeConfig, dim: int) -> tuple[torch.Tensor, floa
     base_freqs = rope.theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
     if rope.kind == "default":
         return 1.0 / base_freqs, 1.0
+
     # YaRN: interpolate low frequencies by `factor`, keep high ones, ramp between the correction dims
     def correction_dim(rotations: float) -> float:
-        return dim * math.log(rope.original_max_position_embeddings / (rotations * 2 * math.pi)) / (2 * math.log(rope.theta))
+        return (
+            dim
+            * math.log(rope.original_max_position_embeddings / (rotations * 2 * math.pi))
+            / (2 * math.log(rope.theta))
+        )
 
     low = max(math.floor(correction_dim(rope.beta_fast)), 0)
     high = min(math.ceil(correction_dim(rope.beta_slow)), dim - 1)

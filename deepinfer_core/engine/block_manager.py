@@ -1,0 +1,137 @@
+"""KV block bookkeeping: block ids, reference counts, and prefix caching over full blocks.
+
+A full block is identified by a hash chain: hash(parent block's hash, the block's token ids), so a
+block is reusable by any request whose tokens up to and including that block are identical. Freed
+blocks that hold a cached prefix stay findable until evicted, least recently freed first; blocks
+without a hash are handed out before any cached one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from deepinfer_core.engine.request import Request
+
+__all__ = ["BlockManager", "hash_block"]
+
+
+def hash_block(parent: bytes | None, token_ids: Sequence[int]) -> bytes:
+    digest = hashlib.blake2b(parent or b"", digest_size=16)
+    digest.update(b"".join(t.to_bytes(4, "little", signed=True) for t in token_ids))
+    return digest.digest()
+
+
+@dataclass(slots=True)
+class _Block:
+    ref_count: int = 0
+    hash: bytes | None = None
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.enable_prefix_caching = enable_prefix_caching
+        self._blocks = [_Block() for _ in range(num_blocks)]
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))  # eviction order
+        self._cached: dict[bytes, int] = {}  # block hash -> block id
+        self.prefix_queries = 0  # tokens looked up in the prefix cache
+        self.prefix_hits = 0  # of those, tokens found
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - len(self._free)
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def _prefix_hits(self, request: Request) -> tuple[list[int], list[bytes]]:
+        """Cached blocks that match the request's leading full blocks. The block holding its last
+        token never counts, so at least one token is always computed (its logits are needed)."""
+        if not self.enable_prefix_caching:
+            return [], []
+        tokens, size = request.all_token_ids, self.block_size
+        blocks, hashes, parent = [], [], None
+        for i in range((len(tokens) - 1) // size):
+            parent = hash_block(parent, tokens[i * size : (i + 1) * size])
+            block_id = self._cached.get(parent)
+            if block_id is None:
+                break
+            blocks.append(block_id)
+            hashes.append(parent)
+        return blocks, hashes
+
+    def admit(self, request: Request, num_new_tokens: int) -> bool:
+        """Give a waiting request its cached prefix plus blocks for its first `num_new_tokens` tokens
+        past that prefix (callers size the chunk with `cached_prefix_tokens` first). All or nothing."""
+        hits, hashes = self._prefix_hits(request)
+        reused_free = sum(1 for b in hits if self._blocks[b].ref_count == 0)
+        needed = self.blocks_for(len(hits) * self.block_size + num_new_tokens) - len(hits)
+        if self.num_free_blocks - reused_free < needed:
+            return False
+        for block_id in hits:
+            self._take(block_id)
+        request.block_ids = hits + [self._pop_free() for _ in range(needed)]
+        request.block_hashes = hashes
+        request.num_computed_tokens = request.num_cached_tokens = len(hits) * self.block_size
+        self.prefix_queries += request.num_tokens
+        self.prefix_hits += request.num_cached_tokens
+        return True
+
+    def cached_prefix_tokens(self, request: Request) -> int:
+        """How many leading tokens `admit` would take from the cache right now."""
+        return len(self._prefix_hits(request)[0]) * self.block_size
+
+    def grow(self, request: Request, num_tokens: int) -> bool:
+        """Make the request's blocks cover `num_tokens` tokens. False (and no change) if blocks ran out."""
+        needed = self.blocks_for(num_tokens) - len(request.block_ids)
+        if needed > self.num_free_blocks:
+            return False
+        request.block_ids += [self._pop_free() for _ in range(max(needed, 0))]
+        return True
+
+    def cache_full_blocks(self, request: Request) -> None:
+        """Register the request's newly completed blocks (after a step) in the prefix cache."""
+        if not self.enable_prefix_caching:
+            return
+        tokens, size = request.all_token_ids, self.block_size
+        for i in range(len(request.block_hashes), request.num_computed_tokens // size):
+            parent = request.block_hashes[-1] if request.block_hashes else None
+            block_hash = hash_block(parent, tokens[i * size : (i + 1) * size])
+            request.block_hashes.append(block_hash)
+            if block_hash not in self._cached:  # an identical block computed elsewhere stays the cached one
+                self._cached[block_hash] = request.block_ids[i]
+                self._blocks[request.block_ids[i]].hash = block_hash
+
+    def free(self, request: Request) -> None:
+        """Release the request's blocks; its cached tail blocks become the first to be evicted."""
+        for block_id in reversed(request.block_ids):
+            block = self._blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self._free[block_id] = None
+                if block.hash is None:
+                    self._free.move_to_end(block_id, last=False)  # nothing to keep: hand out first
+        request.block_ids, request.block_hashes = [], []
+
+    def _take(self, block_id: int) -> None:
+        block = self._blocks[block_id]
+        if block.ref_count == 0:
+            del self._free[block_id]
+        block.ref_count += 1
+
+    def _pop_free(self) -> int:
+        block_id, _ = self._free.popitem(last=False)
+        block = self._blocks[block_id]
+        if block.hash is not None:  # evict the cached prefix it held
+            del self._cached[block.hash]
+            block.hash = None
+        block.ref_count = 1
+        return block_id

@@ -1,0 +1,214 @@
+"""The engine: requests in, steps run, outputs out. Scheduler, blocks and runner are wired here once."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from deepinfer_core.backend.extensions import LogitsProcessor, Observer, RequestEvent, StepStats
+from deepinfer_core.backend.resolve import ResolvedBackend
+from deepinfer_core.engine.block_manager import BlockManager
+from deepinfer_core.engine.request import Request, RequestOutput, RequestStatus
+from deepinfer_core.engine.runner import ModelRunner
+from deepinfer_core.engine.scheduler import Scheduler, SchedulerConfig
+from deepinfer_core.engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from deepinfer_core.errors import DeepInferError
+from deepinfer_core.sampling.params import SamplingParams
+
+__all__ = ["Engine", "EngineConfig", "RequestError"]
+
+log = logging.getLogger(__name__)
+
+
+class RequestError(DeepInferError):
+    """A request the engine cannot serve as asked (too long, bad ids, no tokenizer for text)."""
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    num_kv_blocks: int | None = None  # None: size the cache from kv_cache_memory_bytes
+    kv_cache_memory_bytes: int = 1 << 30
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    enable_prefix_caching: bool = True
+    scheduler: SchedulerConfig = SchedulerConfig()
+
+
+class Engine:
+    def __init__(
+        self,
+        model,
+        backend: ResolvedBackend,
+        tokenizer: Tokenizer | None,
+        config: EngineConfig = EngineConfig(),
+        logits_processors: Sequence[LogitsProcessor] = (),
+        observers: Sequence[Observer] = (),
+    ) -> None:
+        self.model, self.backend, self.tokenizer, self.config = model, backend, tokenizer, config
+        self.max_model_len = min(config.max_model_len or 1 << 62, model.config.max_position_embeddings)
+        block_size = backend.kv_layout.block_size
+        num_blocks = config.num_kv_blocks or self._blocks_for_memory(config.kv_cache_memory_bytes, block_size)
+        self.blocks = BlockManager(num_blocks, block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(config.scheduler, self.blocks, backend.cost_model)
+        self.runner = ModelRunner(model, backend, num_blocks, logits_processors)
+        self.observers = list(observers)
+        eos = set(model.config.eos_token_ids)
+        if tokenizer is not None and tokenizer.eos_token_id is not None:
+            eos.add(tokenizer.eos_token_id)
+        self.eos_token_ids = frozenset(eos)
+        self._requests: dict[str, Request] = {}
+        self._detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self._arrivals = itertools.count()
+        self._step = 0
+
+    def _blocks_for_memory(self, memory_bytes: int, block_size: int) -> int:
+        spec = self.model.cache_spec
+        entry_bytes = spec.num_heads * spec.head_dim * spec.dtype.itemsize
+        return max(1, memory_bytes // (entry_bytes * block_size * self.model.num_layers))
+
+    # ---- requests -------------------------------------------------------------------------------
+
+    def add_request(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams) -> None:
+        if request_id in self._requests:
+            raise RequestError(f"request id {request_id!r} is already in use")
+        text = prompt if isinstance(prompt, str) else None
+        token_ids = self._encode(prompt)
+        limit = self.max_model_len
+        if len(token_ids) >= limit:
+            raise RequestError(
+                f"the prompt has {len(token_ids)} tokens but the model's context is {limit} tokens "
+                f"(it must leave room for at least one generated token)"
+            )
+        capacity = self.blocks.num_blocks * self.blocks.block_size
+        needed = min(len(token_ids) + params.max_tokens, limit)
+        if needed > capacity:
+            raise RequestError(
+                f"the request may need {needed} tokens of KV cache (prompt {len(token_ids)} + "
+                f"max_tokens {params.max_tokens}) but the cache holds {capacity}; lower max_tokens "
+                f"or give the engine more KV memory"
+            )
+        seed = params.seed if params.seed is not None else random.getrandbits(64)
+        request = Request(request_id, text, token_ids, params, seed, next(self._arrivals))
+        self._requests[request_id] = request
+        if self.tokenizer is not None:
+            self._detokenizers[request_id] = IncrementalDetokenizer(self.tokenizer)
+        self.scheduler.add(request)
+        self._notify(RequestEvent(request_id, "arrived"))
+
+    def _encode(self, prompt: str | Sequence[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise RequestError("this model has no tokenizer.json: pass prompts as token ids")
+            token_ids = self.tokenizer.encode(prompt)
+        else:
+            token_ids = [int(t) for t in prompt]
+        if not token_ids:
+            raise RequestError("the prompt is empty")
+        vocab = self.model.config.vocab_size
+        bad = [t for t in token_ids if not 0 <= t < vocab]
+        if bad:
+            raise RequestError(f"prompt token id {bad[0]} is outside the vocabulary (0..{vocab - 1})")
+        return token_ids
+
+    def abort(self, request_id: str) -> None:
+        request = self._requests.pop(request_id, None)
+        if request is None or request.finished:
+            return
+        request.finish_reason = "abort"
+        self.scheduler.finish(request)
+        self._detokenizers.pop(request_id, None)
+        self._notify(RequestEvent(request_id, "aborted"))
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ---- steps ----------------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Run one step; report every request that got a token (or finished)."""
+        scheduled = self.scheduler.schedule()
+        if not scheduled.requests:
+            return []
+        sampled, out = self.runner.execute(scheduled.requests)
+        for request, count in scheduled.requests:
+            request.num_computed_tokens += count
+            self.blocks.cache_full_blocks(request)
+        outputs = []
+        for row, request in enumerate(sampled):
+            token = int(out.token_ids[row])
+            request.output_token_ids.append(token)
+            if request.params.logprobs is not None:
+                request.logprobs.append(float(out.logprobs[row]))
+                top = zip(
+                    out.top_token_ids[row, : request.params.logprobs].tolist(),
+                    out.top_logprobs[row, : request.params.logprobs].tolist(),
+                )
+                request.top_logprobs.append(dict(top))
+            new_text = self._detokenize(request)
+            self._check_stop(request, token)
+            if request.finished:
+                self._requests.pop(request.request_id, None)
+                self._detokenizers.pop(request.request_id, None)
+                self._notify(RequestEvent(request.request_id, "finished", request.finish_reason or ""))
+            outputs.append(RequestOutput.of(request, new_text, (token,)))
+        self._step += 1
+        self._observe_step(scheduled)
+        return outputs
+
+    def _detokenize(self, request: Request) -> str:
+        detokenizer = self._detokenizers.get(request.request_id)
+        if detokenizer is None:
+            return ""
+        delta = detokenizer.update(request.output_token_ids)
+        request.text = detokenizer.text
+        return delta
+
+    def _check_stop(self, request: Request, token: int) -> None:
+        params = request.params
+        reason = stop = None
+        if token in params.stop_token_ids:
+            reason, stop = "stop", token
+        elif token in self.eos_token_ids and not params.ignore_eos:
+            reason = "stop"
+        elif params.stop and (hit := _find_stop(request.text, params.stop)) is not None:
+            request.text = request.text[: hit[0]]
+            reason, stop = "stop", hit[1]
+        elif len(request.output_token_ids) >= params.max_tokens or request.num_tokens >= self.max_model_len:
+            reason = "length"
+        if reason is not None:
+            request.finish_reason, request.stop_reason = reason, stop
+            self.scheduler.finish(request)
+
+    def _notify(self, event: RequestEvent) -> None:
+        for observer in self.observers:
+            try:
+                observer.on_request(event)
+            except Exception:  # an observer must never take the engine down
+                log.exception("observer %r failed on %s", observer, event.kind)
+
+    def _observe_step(self, scheduled) -> None:
+        if not self.observers:
+            return
+        decode = sum(1 for r, n in scheduled.requests if n == 1 and r.num_computed_tokens > len(r.prompt_token_ids))
+        stats = StepStats(
+            self._step,
+            scheduled.num_tokens - decode,
+            decode,
+            len(self.scheduler.running),
+            len(self.scheduler.waiting),
+            self.blocks.num_used_blocks,
+            self.blocks.num_blocks,
+        )
+        for observer in self.observers:
+            try:
+                observer.on_step(stats)
+            except Exception:
+                log.exception("observer %r failed on a step", observer)
+
+
+def _find_stop(text: str, stops: Sequence[str]) -> tuple[int, str] | None:
+    """The earliest stop string in text, as (index, stop string)."""
+    hits = [(text.find(s), s) for s in stops if s in text]
+    return min(hits) if hits else None

@@ -1,0 +1,124 @@
+"""The offline API: `LLM(model=..., accelerator=...).generate(prompts, SamplingParams)`."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import torch
+
+from deepinfer_core.backend.registry import discover
+from deepinfer_core.backend.resolve import ResolvedBackend, resolve_backend
+from deepinfer_core.backend.selection import select_backend
+from deepinfer_core.engine.engine import Engine, EngineConfig
+from deepinfer_core.engine.request import RequestOutput
+from deepinfer_core.engine.scheduler import SchedulerConfig
+from deepinfer_core.engine.tokenizer import Tokenizer, demo_tokenizer_dir
+from deepinfer_core.errors import DeepInferError
+from deepinfer_core.model import load_model, model_registry
+from deepinfer_core.model.demo import DEMO_NAME, demo_model
+from deepinfer_core.sampling.params import SamplingParams
+
+__all__ = ["LLM"]
+
+log = logging.getLogger(__name__)
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+Prompt = str | Sequence[int]
+
+
+class LLM:
+    """Load a model on the selected backend and generate from it.
+
+    model: a Hugging Face-format checkpoint folder, or None for the embedded demo model (random weights).
+    accelerator: backend name, alias or "auto" (default: $DEEPINFER_ACCELERATOR, else auto).
+    """
+
+    def __init__(
+        self,
+        model: str | Path | None = None,
+        accelerator: str | None = None,
+        dtype: str = "float32",
+        block_size: int | None = None,
+        num_kv_blocks: int | None = None,
+        kv_cache_memory_bytes: int = 1 << 30,
+        max_model_len: int | None = None,
+        max_num_seqs: int = 64,
+        max_num_batched_tokens: int = 2048,
+        enable_prefix_caching: bool = True,
+        progress: bool = True,
+    ) -> None:
+        if dtype not in _DTYPES:
+            raise DeepInferError(f"dtype {dtype!r} is not one of {', '.join(_DTYPES)}")
+        discovery = discover()
+        self.backend: ResolvedBackend = resolve_backend(
+            select_backend(discovery, accelerator), dtype=_DTYPES[dtype], block_size=block_size
+        )
+        if model is None:
+            self.model_name = DEMO_NAME
+            log.warning(
+                "no --model given: serving the embedded demo model (DeepSeek-V3 architecture with "
+                "deterministic RANDOM weights; its output is meaningless)"
+            )
+            self.model = demo_model(self.backend)
+            self.tokenizer = Tokenizer.from_dir(demo_tokenizer_dir())
+        else:
+            path = Path(model)
+            self.model_name = path.name
+            self.model = load_model(path, self.backend, model_registry(discovery.plugin_manager), progress)
+            self.tokenizer = Tokenizer.from_dir(path)
+        hook = discovery.plugin_manager.hook
+        processors = [p for found in hook.deepinfer_logits_processors(model_name=self.model_name) for p in found]
+        observers = [o for found in hook.deepinfer_observers() for o in found]
+        config = EngineConfig(
+            num_kv_blocks=num_kv_blocks,
+            kv_cache_memory_bytes=kv_cache_memory_bytes,
+            max_model_len=max_model_len,
+            enable_prefix_caching=enable_prefix_caching,
+            scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens),
+        )
+        self.engine = Engine(self.model, self.backend, self.tokenizer, config, processors, observers)
+        self._next_id = 0
+
+    def _add(self, prompts: Prompt | Sequence[Prompt], params: SamplingParams | Sequence[SamplingParams] | None):
+        single = isinstance(prompts, str) or (bool(prompts) and isinstance(prompts[0], int))
+        batch = [prompts] if single else list(prompts)
+        params = params or SamplingParams()
+        per_prompt = [params] * len(batch) if isinstance(params, SamplingParams) else list(params)
+        if len(per_prompt) != len(batch):
+            raise DeepInferError(f"{len(batch)} prompts but {len(per_prompt)} sampling parameter sets")
+        ids = []
+        try:
+            for prompt, p in zip(batch, per_prompt):
+                request_id = str(self._next_id)
+                self._next_id += 1
+                self.engine.add_request(request_id, prompt, p)
+                ids.append(request_id)
+        except DeepInferError:
+            for request_id in ids:  # all of the batch or none of it
+                self.engine.abort(request_id)
+            raise
+        return ids
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt (text or token ids); outputs come back in prompt order."""
+        ids = self._add(prompts, sampling_params)
+        finished: dict[str, RequestOutput] = {}
+        while self.engine.has_unfinished():
+            for output in self.engine.step():
+                if output.finished:
+                    finished[output.request_id] = output
+        return [finished[i] for i in ids]
+
+    def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> Iterator[RequestOutput]:
+        """Generate for one prompt, yielding an output (with its text delta) after every token."""
+        [request_id] = self._add(prompt, sampling_params)
+        while self.engine.has_unfinished():
+            for output in self.engine.step():
+                if output.request_id == request_id:
+                    yield output

@@ -1,0 +1,94 @@
+"""A request's state inside the engine, and what the engine reports back about it."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from deepinfer_core.sampling.params import SamplingParams
+
+__all__ = ["CompletionOutput", "Request", "RequestOutput", "RequestStatus"]
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False, slots=True)
+class Request:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seed: int  # the request's seed, or one drawn for it on arrival
+    arrival: int  # admission order; preemption takes the latest arrival first
+    output_token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[dict[int, float]] = field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    num_computed_tokens: int = 0  # tokens whose KV is in the cache
+    num_cached_tokens: int = 0  # of those, how many came from the prefix cache at admission
+    block_ids: list[int] = field(default_factory=list)
+    block_hashes: list[bytes] = field(default_factory=list)  # hash chain of this request's full blocks
+    num_preemptions: int = 0
+    text: str = ""
+    finish_reason: str | None = None  # "stop", "length", "abort"
+    stop_reason: str | int | None = None  # the stop string or stop token that ended it
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+
+@dataclass(frozen=True, slots=True)
+class CompletionOutput:
+    text: str
+    token_ids: tuple[int, ...]
+    logprobs: tuple[float, ...] | None  # raw logprob of each generated token, when asked for
+    top_logprobs: tuple[dict[int, float], ...] | None
+    finish_reason: str | None
+    stop_reason: str | int | None
+
+
+@dataclass(frozen=True, slots=True)
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: tuple[int, ...]
+    outputs: list[CompletionOutput]
+    finished: bool
+    num_cached_tokens: int
+    new_text: str = ""  # text added since the previous report (for streaming)
+    new_token_ids: tuple[int, ...] = ()
+
+    @classmethod
+    def of(cls, request: Request, new_text: str = "", new_token_ids: tuple[int, ...] = ()) -> RequestOutput:
+        wants_logprobs = request.params.logprobs is not None
+        completion = CompletionOutput(
+            text=request.text,
+            token_ids=tuple(request.output_token_ids),
+            logprobs=tuple(request.logprobs) if wants_logprobs else None,
+            top_logprobs=tuple(request.top_logprobs) if wants_logprobs else None,
+            finish_reason=request.finish_reason,
+            stop_reason=request.stop_reason,
+        )
+        return cls(
+            request_id=request.request_id,
+            prompt=request.prompt,
+            prompt_token_ids=tuple(request.prompt_token_ids),
+            outputs=[completion],
+            finished=request.finished,
+            num_cached_tokens=request.num_cached_tokens,
+            new_text=new_text,
+            new_token_ids=new_token_ids,
+        )

