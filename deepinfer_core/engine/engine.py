@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from deepinfer_core.backend.extensions import LogitsProcessor, Observer, RequestEvent, StepStats
 from deepinfer_core.backend.resolve import ResolvedBackend
 from deepinfer_core.engine.block_manager import BlockManager
-from deepinfer_core.engine.request import Request, RequestOutput, RequestStatus
+from deepinfer_core.engine.request import Request, RequestOutput
 from deepinfer_core.engine.runner import ModelRunner
 from deepinfer_core.engine.scheduler import Scheduler, SchedulerConfig
 from deepinfer_core.engine.tokenizer import IncrementalDetokenizer, Tokenizer
