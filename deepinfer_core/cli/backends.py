@@ -1,19 +1,17 @@
-"""The `deepinfer` command line. Errors meant for people are printed as one message, never a traceback."""
+"""`deepinfer backends`: list installed backends, or show which one would be selected."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import platform
-import sys
 
 from deepinfer_core import __version__
 from deepinfer_core.backend.hookspecs import API_VERSION
 from deepinfer_core.backend.registry import BackendEntry, Discovery, discover
 from deepinfer_core.backend.selection import ENV_VAR, requested_accelerator, select_backend
-from deepinfer_core.errors import DeepInferError
 
-__all__ = ["main"]
+__all__ = ["add_parser"]
 
 
 def _backend_row(backend: BackendEntry) -> dict:
@@ -116,10 +114,7 @@ def _cmd_backends(args: argparse.Namespace) -> int:
     return 0
 
 
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="deepinfer", description="Serve DeepSeek MoE models on any accelerator.")
-    parser.add_argument("--version", action="version", version=f"deepinfer {__version__} (contract v{API_VERSION})")
-    commands = parser.add_subparsers(dest="command", required=True)
+def add_parser(commands) -> None:
     backends = commands.add_parser("backends", help="list installed backends, or show which one would be selected")
     backends.add_argument("--json", action="store_true", help="machine-readable output")
     backends.add_argument(
@@ -132,19 +127,3 @@ def _parser() -> argparse.ArgumentParser:
     )
     backends.add_argument("-v", "--verbose", action="store_true", help="show tracebacks of broken plugins")
     backends.set_defaults(run=_cmd_backends)
-    return parser
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
-    try:
-        return args.run(args)
-    except DeepInferError as err:
-        print(f"deepinfer: error: {err}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        return 130
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,0 +1,34 @@
+"""`deepinfer generate` as the installed console script: the demo model end to end, and clean errors."""
+
+from __future__ import annotations
+
+import re
+
+
+def test_generate_with_the_demo_model_is_seeded_and_streams(run_cli):
+    args = ["generate", "--prompt", "Hello", "--max-tokens", "8", "--seed", "5", "--accelerator", "cpu"]
+    first, second = run_cli(args), run_cli(args)
+    assert first.returncode == 0, first.stderr
+    assert "RANDOM weights" in first.stderr and "backend cpu" in first.stderr
+    assert "8 tokens, finish reason length" in first.stderr
+    assert first.stdout.strip() and first.stdout == second.stdout  # same seed, same text
+    other = run_cli(["generate", "--prompt", "Hello", "--max-tokens", "8", "--seed", "6", "--accelerator", "cpu"])
+    assert other.stdout != first.stdout
+
+
+def test_generate_rejects_invalid_sampling_parameters(run_cli):
+    result = run_cli(["generate", "--prompt", "Hello", "--temperature", "-1", "--top-p", "0"])
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert "temperature must be >= 0" in result.stderr and "top_p must be in (0, 1]" in result.stderr
+
+
+def test_generate_rejects_a_prompt_longer_than_the_context(run_cli):
+    result = run_cli(["generate", "--prompt", "word " * 50, "--max-model-len", "16", "--accelerator", "cpu"])
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert re.search(r"the prompt has (\d+) tokens but the model's context is 16 tokens", result.stderr)
+
+
+def test_generate_with_a_missing_model_path(run_cli, tmp_path):
+    result = run_cli(["generate", "--prompt", "Hello", "--model", str(tmp_path / "nope"), "--accelerator", "cpu"])
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert "is not a directory" in result.stderr
