@@ -69,3 +69,50 @@ def run_cli():
         return subprocess.run([exe, *args], capture_output=True, text=True, env=full_env, timeout=120)
 
     return run
+
+
+TINY_V3_CONFIG = {
+    "architectures": ["DeepseekV3ForCausalLM"],
+    "vocab_size": 128,
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "moe_intermediate_size": 16,
+    "num_hidden_layers": 2,
+    "first_k_dense_replace": 1,
+    "num_attention_heads": 2,
+    "q_lora_rank": None,
+    "kv_lora_rank": 16,
+    "qk_nope_head_dim": 8,
+    "qk_rope_head_dim": 8,
+    "v_head_dim": 8,
+    "n_routed_experts": 4,
+    "num_experts_per_tok": 2,
+    "n_group": 2,
+    "topk_group": 1,
+    "n_shared_experts": 1,
+    "max_position_embeddings": 256,
+    "eos_token_id": 1,
+}
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory):
+    """A tiny DeepSeek-V3 checkpoint (config.json + model.safetensors, random weights, no tokenizer),
+    written without transformers: for engine tests that do not need the Hugging Face oracle."""
+    import json
+
+    import torch
+    from safetensors.torch import save_file
+
+    from deepinfer_core.model.config import DeepseekConfig
+    from deepinfer_core.model.deepseek_v3 import expected_weights
+
+    path = tmp_path_factory.mktemp("tiny-v3")
+    generator = torch.Generator().manual_seed(0)
+    shapes = expected_weights(DeepseekConfig.from_hf(TINY_V3_CONFIG))
+    save_file(
+        {name: torch.randn(shape, generator=generator) * 0.3 for name, shape in shapes.items()},
+        str(path / "model.safetensors"),
+    )
+    (path / "config.json").write_text(json.dumps(TINY_V3_CONFIG))
+    return path

@@ -79,7 +79,7 @@ def _redraw_(model: torch.nn.Module, generator: torch.Generator) -> None:
             elif name.endswith("mlp.gate.weight"):  # router: logits of std ~1 -> sigmoid scores spread out
                 value = torch.randn(param.shape, generator=generator) / math.sqrt(param.shape[-1])
             elif name == "lm_head.weight":
-                value = 3.0 * torch.randn(param.shape, generator=generator) / math.sqrt(param.shape[-1])
+                value = 2.0 * torch.randn(param.shape, generator=generator) / math.sqrt(param.shape[-1])
             else:  # linear / expert weights [.., out, in]
                 value = torch.randn(param.shape, generator=generator) / math.sqrt(param.shape[-1])
             param.copy_(value)

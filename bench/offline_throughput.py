@@ -1,0 +1,494 @@
+"""Offline throughput on CPU: DeepInfer's engine (reference backend) vs Hugging Face `generate`, same weights.
+
+One run, side by side (DESIGN.md §7):
+
+1. a small random DeepSeek-V3 checkpoint (transformers' DeepseekV3ForCausalLM, seeded, saved with
+   save_pretrained; or an existing one with --checkpoint);
+2. one workload: B prompts of random token ids, N new tokens each, greedy, EOS ignored;
+3. DeepInfer: `LLM(accelerator="cpu", dtype="float32").generate(all prompts)` (continuous batching);
+   Hugging Face: `model.generate` in float32 with eager attention, batch B, left padding + attention mask
+   (optionally also batch 1, prompt after prompt);
+4. the greedy outputs are compared (fraction of prompts with identical generated tokens), so the speed
+   comparison is between systems that computed the same thing;
+5. a bound: bytes of weights (+ MLA latent KV) read per forward step over a measured CPU copy bandwidth,
+   and flops over a measured matmul rate. Both are estimates and are labelled so in the JSON.
+
+Run: python bench/offline_throughput.py --out bench/results/offline_cpu.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib.metadata
+import json
+import os
+import platform
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+# ---- checkpoint -----------------------------------------------------------------------------------
+
+DEFAULT_CONFIG = {
+    "vocab_size": 4096,
+    "hidden_size": 256,
+    "intermediate_size": 512,
+    "moe_intermediate_size": 128,
+    "num_hidden_layers": 4,
+    "first_k_dense_replace": 1,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 8,
+    "q_lora_rank": 128,
+    "kv_lora_rank": 128,
+    "qk_rope_head_dim": 32,
+    "qk_nope_head_dim": 32,
+    "v_head_dim": 32,
+    "n_routed_experts": 16,
+    "num_experts_per_tok": 4,
+    "n_group": 4,
+    "topk_group": 2,
+    "n_shared_experts": 1,
+    "routed_scaling_factor": 2.5,
+    "norm_topk_prob": True,
+    "max_position_embeddings": 2048,
+    "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": False,
+    "bos_token_id": 0,
+    "eos_token_id": 1,
+}
+
+
+def make_checkpoint(path: Path, config_overrides: dict, seed: int) -> dict:
+    """Random DeepseekV3ForCausalLM (seeded) saved to `path`; e_score_correction_bias set non-zero."""
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    torch.manual_seed(seed)
+    config = DeepseekV3Config(**{**DEFAULT_CONFIG, **config_overrides})
+    model = DeepseekV3ForCausalLM(config).eval()
+    generator = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, buffer in list(model.named_buffers()) + list(model.named_parameters()):
+            if name.endswith("e_score_correction_bias"):
+                # transformers leaves it at zero; non-zero changes routing, so the benchmark covers it
+                buffer.copy_(torch.randn(buffer.shape, generator=generator) * 0.05)
+    model.save_pretrained(path)
+    return {**DEFAULT_CONFIG, **config_overrides}
+
+
+# ---- workload -------------------------------------------------------------------------------------
+
+
+def make_prompts(count: int, min_len: int, max_len: int, vocab: int, seed: int) -> list[list[int]]:
+    """Random token ids, avoiding the first 8 ids (BOS/EOS/pad in most configs)."""
+    generator = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(min_len, max_len + 1, (count,), generator=generator).tolist()
+    return [torch.randint(8, vocab, (n,), generator=generator).tolist() for n in lengths]
+
+
+# ---- systems --------------------------------------------------------------------------------------
+
+
+def run_deepinfer(checkpoint: Path, prompts, warmup_prompts, max_tokens: int, args) -> dict:
+    from deepinfer_core.engine.llm import LLM
+    from deepinfer_core.sampling.params import SamplingParams
+
+    t0 = time.perf_counter()
+    llm = LLM(
+        model=checkpoint,
+        accelerator="cpu",
+        dtype="float32",
+        block_size=args.block_size,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        progress=False,
+    )
+    load_s = time.perf_counter() - t0
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    # warm-up on different prompts (so the timed run gets no prefix-cache hits from it)
+    llm.generate(warmup_prompts, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    steps_before = getattr(llm.engine, "_step", None)
+    t0 = time.perf_counter()
+    outputs = llm.generate(prompts, params)
+    seconds = time.perf_counter() - t0
+    steps_after = getattr(llm.engine, "_step", None)
+    tokens = [list(o.outputs[0].token_ids) for o in outputs]
+    generated = sum(len(t) for t in tokens)
+    return {
+        "system": "deepinfer",
+        "description": "DeepInfer LLM.generate, reference backend (accelerator=cpu), float32, all prompts in one call",
+        "backend": llm.backend.info.name,
+        "block_size": llm.backend.kv_layout.block_size,
+        "max_num_seqs": args.max_num_seqs,
+        "max_num_batched_tokens": args.max_num_batched_tokens,
+        "load_seconds": load_s,
+        "total_seconds": seconds,
+        "output_tokens": generated,
+        "output_tokens_per_s": generated / seconds,
+        # Engine._step is a private counter; None if the engine stops exposing it
+        "engine_steps": None if steps_before is None else steps_after - steps_before,
+        "prefix_cached_tokens": sum(o.num_cached_tokens for o in outputs),
+        "finish_reasons": sorted({o.outputs[0].finish_reason for o in outputs}),
+        "token_ids": tokens,
+    }
+
+
+def _hf_generate(model, prompts, max_new_tokens: int, pad_id: int) -> list[list[int]]:
+    """Batched greedy generate with left padding and an attention mask, the way a user would."""
+    width = max(len(p) for p in prompts)
+    input_ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for row, prompt in enumerate(prompts):
+        input_ids[row, width - len(prompt) :] = torch.tensor(prompt)
+        mask[row, width - len(prompt) :] = 1
+    with torch.inference_mode():
+        out = model.generate(
+            input_ids=input_ids,
+            attention_mask=mask,
+            do_sample=False,
+            max_new_tokens=max_new_tokens,
+            min_new_tokens=max_new_tokens,
+            # no EOS: decoding never stops early and no EOS logit is masked, i.e. DeepInfer's ignore_eos
+            eos_token_id=None,
+            pad_token_id=pad_id,
+            use_cache=True,
+        )
+    return [row[width:].tolist() for row in out]
+
+
+def load_hf(checkpoint: Path):
+    from transformers import DeepseekV3ForCausalLM
+
+    t0 = time.perf_counter()
+    model = DeepseekV3ForCausalLM.from_pretrained(checkpoint, dtype=torch.float32, attn_implementation="eager").eval()
+    return model, time.perf_counter() - t0
+
+
+def run_hf(model, load_s: float, prompts, warmup_prompts, max_tokens: int, batch_size: int) -> dict:
+    pad_id = 0
+    _hf_generate(model, warmup_prompts[:batch_size], 4, pad_id)
+    tokens: list[list[int]] = []
+    t0 = time.perf_counter()
+    for start in range(0, len(prompts), batch_size):
+        tokens += _hf_generate(model, prompts[start : start + batch_size], max_tokens, pad_id)
+    seconds = time.perf_counter() - t0
+    generated = sum(len(t) for t in tokens)
+    return {
+        "system": f"hf_batch{batch_size}",
+        "description": (
+            f"transformers DeepseekV3ForCausalLM.generate, float32, eager attention, batch {batch_size}, "
+            "left padding + attention_mask, do_sample=False, min_new_tokens=max_new_tokens, eos_token_id=None"
+        ),
+        "batch_size": batch_size,
+        "load_seconds": load_s,
+        "total_seconds": seconds,
+        "output_tokens": generated,
+        "output_tokens_per_s": generated / seconds,
+        "forward_steps": max_tokens * -(-len(prompts) // batch_size),
+        "token_ids": tokens,
+    }
+
+
+# ---- agreement ------------------------------------------------------------------------------------
+
+
+def agreement(a: list[list[int]], b: list[list[int]]) -> dict:
+    same = [x == y for x, y in zip(a, b)]
+
+    def first_diff(x, y):
+        return next((i for i, (p, q) in enumerate(zip(x, y)) if p != q), min(len(x), len(y)))
+
+    token_matches = sum(p == q for x, y in zip(a, b) for p, q in zip(x, y))
+    total = sum(max(len(x), len(y)) for x, y in zip(a, b))
+    return {
+        "identical_prompt_fraction": sum(same) / len(same),
+        "identical_prompts": sum(same),
+        "prompts": len(same),
+        "position_match_fraction": token_matches / total if total else 1.0,
+        "first_divergence_index": [None if s else first_diff(x, y) for s, x, y in zip(same, a, b)],
+    }
+
+
+# ---- bound ----------------------------------------------------------------------------------------
+
+
+def measure_copy_bandwidth(megabytes: int = 512, repeats: int = 5) -> dict:
+    """Best-of-N torch copy of a large float32 tensor; bytes counted as read + write (STREAM 'copy')."""
+    n = megabytes * (1 << 20) // 4
+    src = torch.randn(n)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - t0)
+    return {"tensor_bytes": n * 4, "repeats": repeats, "best_seconds": best, "gb_per_s": 2 * n * 4 / best / 1e9}
+
+
+def measure_matmul_rate(size: int = 1024, repeats: int = 5) -> dict:
+    a, b = torch.randn(size, size), torch.randn(size, size)
+    a @ b
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - t0)
+    return {"shape": [size, size, size], "dtype": "float32", "best_seconds": best, "gflop_per_s": 2 * size**3 / best / 1e9}
+
+
+def model_bytes(checkpoint: Path) -> dict:
+    """Parameter counts from the checkpoint's tensors (float32: 4 bytes each); MTP layers excluded."""
+    from safetensors import safe_open
+
+    config = json.loads((checkpoint / "config.json").read_text())
+    layers = config["num_hidden_layers"]
+    counts = {"embedding": 0, "lm_head": 0, "routed_experts": 0, "other": 0, "mtp_excluded": 0}
+    for file in sorted(checkpoint.glob("*.safetensors")):
+        with safe_open(file, "pt") as f:
+            for name in f.keys():
+                numel = 1
+                for d in f.get_slice(name).get_shape():
+                    numel *= d
+                parts = name.split(".")
+                if len(parts) > 2 and parts[1] == "layers" and int(parts[2]) >= layers:
+                    counts["mtp_excluded"] += numel
+                elif name == "model.embed_tokens.weight":
+                    counts["embedding"] += numel
+                elif name == "lm_head.weight":
+                    counts["lm_head"] += numel
+                elif ".mlp.experts." in name:
+                    counts["routed_experts"] += numel
+                else:
+                    counts["other"] += numel
+    total = counts["embedding"] + counts["lm_head"] + counts["routed_experts"] + counts["other"]
+    experts, top_k = config["n_routed_experts"], config["num_experts_per_tok"]
+    return {"config": config, "counts": counts, "total": total, "experts": experts, "top_k": top_k}
+
+
+def bound(sizes: dict, copy: dict, matmul: dict, workload: dict) -> dict:
+    """Lower bounds on the run's time: each forward step must read the weights it uses once."""
+    cfg, counts = sizes["config"], sizes["counts"]
+    batch, new, layers = workload["num_prompts"], workload["max_new_tokens"], cfg["num_hidden_layers"]
+    mean_prompt = workload["mean_prompt_len"]
+    # weights read per step: everything but the embedding table (only B rows of it are gathered), all
+    # routed experts (at batch >= 16 with top-k of E, nearly all experts get a token: see the fraction)
+    tied = cfg.get("tie_word_embeddings", False)
+    weights_read = (counts["lm_head"] or (counts["embedding"] if tied else 0)) + counts["routed_experts"] + counts["other"]
+    expected_touched = 1 - (1 - sizes["top_k"] / sizes["experts"]) ** batch  # under uniform routing
+    bytes_per_param = 4
+    # MLA latent cache: (kv_lora + rope) floats per token per layer, read once per decode step per sequence
+    latent = cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"]
+    mean_ctx = mean_prompt + new / 2
+    kv_bytes_per_decode_step = batch * mean_ctx * latent * layers * bytes_per_param
+    weight_bytes_per_step = weights_read * bytes_per_param
+    bw = copy["gb_per_s"] * 1e9
+    # minimum forward passes: one prefill (emits token 1) + (new - 1) decode steps
+    steps = new
+    memory_s = steps * weight_bytes_per_step / bw + (new - 1) * kv_bytes_per_decode_step / bw
+    # flops: 2 x active params per token (top-k experts + shared + dense + attention projections + lm_head)
+    expert_params_each = counts["routed_experts"] / sizes["experts"]
+    active = weights_read - counts["routed_experts"] + expert_params_each * sizes["top_k"]
+    tokens_processed = batch * (mean_prompt + new - 1)
+    flops = 2 * active * tokens_processed
+    compute_s = flops / (matmul["gflop_per_s"] * 1e9)
+    return {
+        "note": (
+            "ESTIMATES. Memory bound = forward steps x bytes read per step / measured copy bandwidth; "
+            "bytes per step assume every routed expert is read (all experts touched at batch >= 16), fp32 "
+            "weights excluding the embedding table (a gather of B rows), plus the MLA latent KV at the mean "
+            "context for decode steps. Compute bound = 2 x active params x tokens / measured 1024^3 fp32 "
+            "matmul rate (ignores attention score flops). On a 2-core CPU with a model this small, per-step "
+            "Python/dispatch overhead, not bandwidth, dominates; the fraction shows how far from the bound."
+        ),
+        "params_total_excluding_mtp": sizes["total"],
+        "params_by_kind": counts,
+        "params_read_per_step_estimate": weights_read,
+        "weight_bytes_per_step_estimate": weight_bytes_per_step,
+        "assumption_all_experts_touched": True,
+        "expected_fraction_of_experts_touched_uniform_routing": expected_touched,
+        "kv_latent_bytes_per_decode_step_estimate": kv_bytes_per_decode_step,
+        "active_params_per_token_estimate": active,
+        "min_forward_steps": steps,
+        "measured_copy_bandwidth_gb_per_s": copy["gb_per_s"],
+        "measured_matmul_gflop_per_s": matmul["gflop_per_s"],
+        "memory_bound_seconds_estimate": memory_s,
+        "compute_bound_seconds_estimate": compute_s,
+        "lower_bound_seconds_estimate": max(memory_s, compute_s),
+        "bound_output_tokens_per_s_estimate": batch * new / max(memory_s, compute_s),
+        "memory_bound_step_seconds_estimate": weight_bytes_per_step / bw,
+    }
+
+
+# ---- report ---------------------------------------------------------------------------------------
+
+
+def versions() -> dict:
+    def version(dist: str) -> str | None:
+        try:
+            return importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            return None
+
+    import transformers
+
+    return {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "deepinfer": version("deepinfer"),
+        "safetensors": version("safetensors"),
+    }
+
+
+def machine() -> dict:
+    model_name = None
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model_name = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {
+        "node": platform.node(),
+        "processor": platform.processor() or platform.machine(),
+        "cpu_model": model_name,
+        "cpu_count": os.cpu_count(),
+        "platform": platform.platform(),
+        "torch_num_threads": torch.get_num_threads(),
+    }
+
+
+def print_table(results: list[dict], bound_info: dict, agree: dict) -> None:
+    lower = bound_info["lower_bound_seconds_estimate"]
+    print()
+    print(f"{'system':<14} {'seconds':>9} {'out tok/s':>10} {'steps':>7} {'x bound':>8} {'bound frac':>10}")
+    for r in results:
+        steps = r.get("engine_steps", r.get("forward_steps"))
+        print(
+            f"{r['system']:<14} {r['total_seconds']:>9.2f} {r['output_tokens_per_s']:>10.1f} "
+            f"{steps if steps is not None else '-':>7} {r['total_seconds'] / lower:>8.1f} {lower / r['total_seconds']:>10.3f}"
+        )
+    print(
+        f"{'bound (est.)':<14} {lower:>9.3f} {bound_info['bound_output_tokens_per_s_estimate']:>10.1f} "
+        f"{bound_info['min_forward_steps']:>7}"
+    )
+    for pair, a in agree.items():
+        print(
+            f"greedy agreement {pair}: {a['identical_prompts']}/{a['prompts']} prompts identical, "
+            f"{a['position_match_fraction']:.3f} of positions"
+        )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, default=Path("bench/results/offline_cpu.json"))
+    parser.add_argument("--checkpoint", type=Path, help="reuse this DeepSeek-V3 checkpoint folder")
+    parser.add_argument("--save-checkpoint", type=Path, help="write the random checkpoint here (kept)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--num-prompts", type=int, default=16)
+    parser.add_argument("--prompt-len", type=int, default=64)
+    parser.add_argument("--min-prompt-len", type=int, help="draw lengths in [min, prompt-len] (default: all equal)")
+    parser.add_argument("--max-new-tokens", type=int, default=32)
+    parser.add_argument("--hf-batch1", action="store_true", help="also run Hugging Face at batch 1, sequentially")
+    parser.add_argument("--skip-hf", action="store_true")
+    parser.add_argument("--block-size", type=int, default=None)
+    parser.add_argument("--max-num-seqs", type=int, default=64)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    parser.add_argument("--threads", type=int, help="torch.set_num_threads (default: torch's choice)")
+    parser.add_argument("--config", type=json.loads, default={}, help="JSON overrides of the model config")
+    parser.add_argument("--no-token-ids", action="store_true", help="leave generated token ids out of the JSON")
+    args = parser.parse_args(argv)
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    started = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="deepinfer-bench-") as tmp:
+        if args.checkpoint:
+            checkpoint, origin = args.checkpoint, "given"
+        else:
+            checkpoint = args.save_checkpoint or Path(tmp) / "ckpt"
+            make_checkpoint(checkpoint, args.config, args.seed)
+            origin = "random, transformers DeepseekV3ForCausalLM(config) seeded, e_score_correction_bias ~ N(0, 0.05)"
+        sizes = model_bytes(checkpoint)
+        vocab = sizes["config"]["vocab_size"]
+        min_len = args.min_prompt_len or args.prompt_len
+        prompts = make_prompts(args.num_prompts, min_len, args.prompt_len, vocab, args.seed + 100)
+        warmup = make_prompts(min(args.num_prompts, 4), min_len, args.prompt_len, vocab, args.seed + 200)
+        workload = {
+            "num_prompts": args.num_prompts,
+            "prompt_len_range": [min_len, args.prompt_len],
+            "mean_prompt_len": sum(map(len, prompts)) / len(prompts),
+            "max_new_tokens": args.max_new_tokens,
+            "greedy": True,
+            "ignore_eos": True,
+            "prompt_tokens": "uniform random ids in [8, vocab)",
+            "seed": args.seed,
+            "warmup": "one generate per system on 4 other random prompts, 4 new tokens, before timing",
+        }
+        print(f"checkpoint: {checkpoint} ({sizes['total'] / 1e6:.2f} M params excl. MTP); workload {workload['num_prompts']} x "
+              f"{args.prompt_len} -> {args.max_new_tokens}", flush=True)
+
+        results = []
+        print("running deepinfer ...", flush=True)
+        results.append(run_deepinfer(checkpoint, prompts, warmup, args.max_new_tokens, args))
+        if not args.skip_hf:
+            model, load_s = load_hf(checkpoint)
+            print("running hf batched ...", flush=True)
+            results.append(run_hf(model, load_s, prompts, warmup, args.max_new_tokens, args.num_prompts))
+            if args.hf_batch1:
+                print("running hf batch 1 ...", flush=True)
+                results.append(run_hf(model, load_s, prompts, warmup, args.max_new_tokens, 1))
+            del model
+
+    copy = measure_copy_bandwidth()
+    matmul = measure_matmul_rate()
+    bound_info = bound(sizes, copy, matmul, workload)
+    lower = bound_info["lower_bound_seconds_estimate"]
+    for r in results:
+        r["fraction_of_bound_estimate"] = lower / r["total_seconds"]
+        r["fraction_of_memory_bound_estimate"] = bound_info["memory_bound_seconds_estimate"] / r["total_seconds"]
+
+    by_name = {r["system"]: r["token_ids"] for r in results}
+    agree = {}
+    for other in by_name:
+        if other != "deepinfer":
+            agree[f"deepinfer_vs_{other}"] = agreement(by_name["deepinfer"], by_name[other])
+    if "hf_batch1" in by_name:
+        agree[f"hf_batch{args.num_prompts}_vs_hf_batch1"] = agreement(by_name[f"hf_batch{args.num_prompts}"], by_name["hf_batch1"])
+    if "hf_batch1" in by_name or not args.skip_hf:
+        hf = results[1]
+        for r in results:
+            r["speedup_vs_hf_batched"] = hf["total_seconds"] / r["total_seconds"]
+    if args.no_token_ids:
+        for r in results:
+            r.pop("token_ids")
+
+    report = {
+        "benchmark": "offline_throughput",
+        "timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "command": " ".join([Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])]),
+        "machine": machine(),
+        "versions": versions(),
+        "checkpoint": {"origin": origin, "path": str(args.checkpoint) if args.checkpoint else None, "seed": args.seed},
+        "config": sizes["config"],
+        "workload": workload,
+        "results": results,
+        "greedy_agreement": agree,
+        "bound": bound_info,
+        "measurements": {"copy_bandwidth": copy, "matmul": matmul},
+        "wall_seconds": time.perf_counter() - started,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=1) + "\n")
+    print_table(results, bound_info, agree)
+    print(f"\nwrote {args.out} ({report['wall_seconds']:.0f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
