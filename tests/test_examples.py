@@ -21,3 +21,13 @@ def test_select_backend_example_reports_an_unavailable_backend():
     result = run_example("select_backend.py", "--accelerator", "ascend")
     assert result.returncode == 2 and "torch_npu is not installed" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_offline_inference_example_runs_on_the_demo_model():
+    result = run_example("offline_inference.py", "--accelerator", "cpu")
+    assert result.returncode == 0, result.stderr
+    assert "RANDOM weights" in result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[0].startswith("'The capital of France is' -> ")
+    assert "16 tokens, finish reason length" in lines[1]  # greedy, no EOS in 16 tokens of the demo model
+    assert "top logprobs of the first token" in result.stdout
