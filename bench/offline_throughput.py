@@ -92,71 +92,94 @@ def make_prompts(count: int, min_len: int, max_len: int, vocab: int, seed: int) 
 # ---- systems --------------------------------------------------------------------------------------
 
 
-def run_deepinfer(checkpoint: Path, prompts, warmup_prompts, max_tokens: int, args) -> dict:
-    from deepinfer_core.engine.llm import LLM
-    from deepinfer_core.sampling.params import SamplingParams
+class DeepInferSystem:
+    """DeepInfer's offline API on the reference backend: every prompt in one `generate` call."""
 
-    t0 = time.perf_counter()
-    llm = LLM(
-        model=checkpoint,
-        accelerator="cpu",
-        dtype="float32",
-        block_size=args.block_size,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        progress=False,
-    )
-    load_s = time.perf_counter() - t0
-    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-    # warm-up on different prompts (so the timed run gets no prefix-cache hits from it)
-    llm.generate(warmup_prompts, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
-    steps_before = getattr(llm.engine, "_step", None)
-    t0 = time.perf_counter()
-    outputs = llm.generate(prompts, params)
-    seconds = time.perf_counter() - t0
-    steps_after = getattr(llm.engine, "_step", None)
-    tokens = [list(o.outputs[0].token_ids) for o in outputs]
-    generated = sum(len(t) for t in tokens)
-    return {
-        "system": "deepinfer",
-        "description": "DeepInfer LLM.generate, reference backend (accelerator=cpu), float32, all prompts in one call",
-        "backend": llm.backend.info.name,
-        "block_size": llm.backend.kv_layout.block_size,
-        "max_num_seqs": args.max_num_seqs,
-        "max_num_batched_tokens": args.max_num_batched_tokens,
-        "load_seconds": load_s,
-        "total_seconds": seconds,
-        "output_tokens": generated,
-        "output_tokens_per_s": generated / seconds,
-        # Engine._step is a private counter; None if the engine stops exposing it
-        "engine_steps": None if steps_before is None else steps_after - steps_before,
-        "prefix_cached_tokens": sum(o.num_cached_tokens for o in outputs),
-        "finish_reasons": sorted({o.outputs[0].finish_reason for o in outputs}),
-        "token_ids": tokens,
-    }
+    name = "deepinfer"
 
+    def __init__(self, checkpoint: Path, args) -> None:
+        from deepinfer_core.engine.llm import LLM
 
-def _hf_generate(model, prompts, max_new_tokens: int, pad_id: int) -> list[list[int]]:
-    """Batched greedy generate with left padding and an attention mask, the way a user would."""
-    width = max(len(p) for p in prompts)
-    input_ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(prompts), width), dtype=torch.long)
-    for row, prompt in enumerate(prompts):
-        input_ids[row, width - len(prompt) :] = torch.tensor(prompt)
-        mask[row, width - len(prompt) :] = 1
-    with torch.inference_mode():
-        out = model.generate(
-            input_ids=input_ids,
-            attention_mask=mask,
-            do_sample=False,
-            max_new_tokens=max_new_tokens,
-            min_new_tokens=max_new_tokens,
-            # no EOS: decoding never stops early and no EOS logit is masked, i.e. DeepInfer's ignore_eos
-            eos_token_id=None,
-            pad_token_id=pad_id,
-            use_cache=True,
+        t0 = time.perf_counter()
+        self.llm = LLM(
+            model=checkpoint,
+            accelerator="cpu",
+            dtype="float32",
+            block_size=args.block_size,
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            progress=False,
         )
-    return [row[width:].tolist() for row in out]
+        self.load_seconds = time.perf_counter() - t0
+        self.info = {
+            "system": self.name,
+            "description": (
+                "DeepInfer LLM.generate, reference backend (accelerator=cpu), float32, all prompts in one call"
+            ),
+            "backend": self.llm.backend.info.name,
+            "block_size": self.llm.backend.kv_layout.block_size,
+            "max_num_seqs": args.max_num_seqs,
+            "max_num_batched_tokens": args.max_num_batched_tokens,
+            "prefix_caching": "on (engine default); every repeat uses fresh prompts, so no hits are expected",
+            "load_seconds": self.load_seconds,
+        }
+
+    def generate(self, prompts, max_tokens: int) -> tuple[list[list[int]], dict]:
+        from deepinfer_core.sampling.params import SamplingParams
+
+        params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+        steps_before = getattr(self.llm.engine, "_step", None)  # a private counter; None if it goes away
+        outputs = self.llm.generate(prompts, params)
+        steps_after = getattr(self.llm.engine, "_step", None)
+        extra = {
+            "engine_steps": None if steps_before is None else steps_after - steps_before,
+            "prefix_cached_tokens": sum(o.num_cached_tokens for o in outputs),
+            "finish_reasons": sorted({o.outputs[0].finish_reason for o in outputs}),
+        }
+        return [list(o.outputs[0].token_ids) for o in outputs], extra
+
+
+class HFSystem:
+    """transformers' DeepseekV3ForCausalLM.generate, batched the way a user would (left padding + mask)."""
+
+    def __init__(self, model, load_seconds: float, batch_size: int) -> None:
+        self.model, self.batch_size, self.name = model, batch_size, f"hf_batch{batch_size}"
+        self.info = {
+            "system": self.name,
+            "description": (
+                f"transformers DeepseekV3ForCausalLM.generate, float32, eager attention, batch {batch_size}, "
+                "left padding + attention_mask, do_sample=False, min_new_tokens=max_new_tokens, eos_token_id=None"
+            ),
+            "batch_size": batch_size,
+            "load_seconds": load_seconds,
+        }
+
+    def _batch(self, prompts, max_new_tokens: int, pad_id: int = 0) -> list[list[int]]:
+        width = max(len(p) for p in prompts)
+        input_ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+        mask = torch.zeros((len(prompts), width), dtype=torch.long)
+        for row, prompt in enumerate(prompts):
+            input_ids[row, width - len(prompt) :] = torch.tensor(prompt)
+            mask[row, width - len(prompt) :] = 1
+        with torch.inference_mode():
+            out = self.model.generate(
+                input_ids=input_ids,
+                attention_mask=mask,
+                do_sample=False,
+                max_new_tokens=max_new_tokens,
+                min_new_tokens=max_new_tokens,
+                # no EOS: decoding never stops early and no EOS logit gets masked, i.e. DeepInfer's ignore_eos
+                eos_token_id=None,
+                pad_token_id=pad_id,
+                use_cache=True,
+            )
+        return [row[width:].tolist() for row in out]
+
+    def generate(self, prompts, max_tokens: int) -> tuple[list[list[int]], dict]:
+        tokens: list[list[int]] = []
+        for start in range(0, len(prompts), self.batch_size):
+            tokens += self._batch(prompts[start : start + self.batch_size], max_tokens)
+        return tokens, {"forward_steps": max_tokens * -(-len(prompts) // self.batch_size)}
 
 
 def load_hf(checkpoint: Path):
@@ -165,31 +188,6 @@ def load_hf(checkpoint: Path):
     t0 = time.perf_counter()
     model = DeepseekV3ForCausalLM.from_pretrained(checkpoint, dtype=torch.float32, attn_implementation="eager").eval()
     return model, time.perf_counter() - t0
-
-
-def run_hf(model, load_s: float, prompts, warmup_prompts, max_tokens: int, batch_size: int) -> dict:
-    pad_id = 0
-    _hf_generate(model, warmup_prompts[:batch_size], 4, pad_id)
-    tokens: list[list[int]] = []
-    t0 = time.perf_counter()
-    for start in range(0, len(prompts), batch_size):
-        tokens += _hf_generate(model, prompts[start : start + batch_size], max_tokens, pad_id)
-    seconds = time.perf_counter() - t0
-    generated = sum(len(t) for t in tokens)
-    return {
-        "system": f"hf_batch{batch_size}",
-        "description": (
-            f"transformers DeepseekV3ForCausalLM.generate, float32, eager attention, batch {batch_size}, "
-            "left padding + attention_mask, do_sample=False, min_new_tokens=max_new_tokens, eos_token_id=None"
-        ),
-        "batch_size": batch_size,
-        "load_seconds": load_s,
-        "total_seconds": seconds,
-        "output_tokens": generated,
-        "output_tokens_per_s": generated / seconds,
-        "forward_steps": max_tokens * -(-len(prompts) // batch_size),
-        "token_ids": tokens,
-    }
 
 
 # ---- agreement ------------------------------------------------------------------------------------
@@ -237,7 +235,12 @@ def measure_matmul_rate(size: int = 1024, repeats: int = 5) -> dict:
         t0 = time.perf_counter()
         a @ b
         best = min(best, time.perf_counter() - t0)
-    return {"shape": [size, size, size], "dtype": "float32", "best_seconds": best, "gflop_per_s": 2 * size**3 / best / 1e9}
+    return {
+        "shape": [size, size, size],
+        "dtype": "float32",
+        "best_seconds": best,
+        "gflop_per_s": 2 * size**3 / best / 1e9,
+    }
 
 
 def model_bytes(checkpoint: Path) -> dict:
@@ -277,7 +280,9 @@ def bound(sizes: dict, copy: dict, matmul: dict, workload: dict) -> dict:
     # weights read per step: everything but the embedding table (only B rows of it are gathered), all
     # routed experts (at batch >= 16 with top-k of E, nearly all experts get a token: see the fraction)
     tied = cfg.get("tie_word_embeddings", False)
-    weights_read = (counts["lm_head"] or (counts["embedding"] if tied else 0)) + counts["routed_experts"] + counts["other"]
+    weights_read = (
+        (counts["lm_head"] or (counts["embedding"] if tied else 0)) + counts["routed_experts"] + counts["other"]
+    )
     expected_touched = 1 - (1 - sizes["top_k"] / sizes["experts"]) ** batch  # under uniform routing
     bytes_per_param = 4
     # MLA latent cache: (kv_lora + rope) floats per token per layer, read once per decode step per sequence
@@ -366,16 +371,19 @@ def machine() -> dict:
 def print_table(results: list[dict], bound_info: dict, agree: dict) -> None:
     lower = bound_info["lower_bound_seconds_estimate"]
     print()
-    print(f"{'system':<14} {'seconds':>9} {'out tok/s':>10} {'steps':>7} {'x bound':>8} {'bound frac':>10}")
+    print(f"{'system':<14} {'median s':>9} {'best s':>8} {'out tok/s':>10} {'steps':>6} {'x bound':>8} {'vs HF':>6}")
     for r in results:
         steps = r.get("engine_steps", r.get("forward_steps"))
+        speedup = r.get("speedup_vs_hf_batched")
         print(
-            f"{r['system']:<14} {r['total_seconds']:>9.2f} {r['output_tokens_per_s']:>10.1f} "
-            f"{steps if steps is not None else '-':>7} {r['total_seconds'] / lower:>8.1f} {lower / r['total_seconds']:>10.3f}"
+            f"{r['system']:<14} {r['median_seconds']:>9.3f} {r['best_seconds']:>8.3f} "
+            f"{r['output_tokens_per_s']:>10.1f} {steps if steps is not None else '-':>6} "
+            f"{r['median_seconds'] / lower:>8.1f} {f'{speedup:.2f}x' if speedup else '-':>6}"
         )
     print(
-        f"{'bound (est.)':<14} {lower:>9.3f} {bound_info['bound_output_tokens_per_s_estimate']:>10.1f} "
-        f"{bound_info['min_forward_steps']:>7}"
+        f"{'bound (est.)':<14} {lower:>9.3f} {'':>8} {bound_info['bound_output_tokens_per_s_estimate']:>10.1f} "
+        f"{bound_info['min_forward_steps']:>6}   (memory {bound_info['memory_bound_seconds_estimate']:.3f} s, "
+        f"compute {bound_info['compute_bound_seconds_estimate']:.3f} s)"
     )
     for pair, a in agree.items():
         print(
@@ -384,22 +392,38 @@ def print_table(results: list[dict], bound_info: dict, agree: dict) -> None:
         )
 
 
+def _median(values: list[float]) -> float:
+    ordered = sorted(values)
+    mid = len(ordered) // 2
+    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     parser.add_argument("--out", type=Path, default=Path("bench/results/offline_cpu.json"))
     parser.add_argument("--checkpoint", type=Path, help="reuse this DeepSeek-V3 checkpoint folder")
-    parser.add_argument("--save-checkpoint", type=Path, help="write the random checkpoint here (kept)")
+    parser.add_argument("--save-checkpoint", type=Path, help="write the random checkpoint here and keep it")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--num-prompts", type=int, default=16)
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--min-prompt-len", type=int, help="draw lengths in [min, prompt-len] (default: all equal)")
     parser.add_argument("--max-new-tokens", type=int, default=32)
+    parser.add_argument("--repeats", type=int, default=5, help="timed runs per system, interleaved, fresh prompts each")
     parser.add_argument("--hf-batch1", action="store_true", help="also run Hugging Face at batch 1, sequentially")
     parser.add_argument("--skip-hf", action="store_true")
     parser.add_argument("--block-size", type=int, default=None)
     parser.add_argument("--max-num-seqs", type=int, default=64)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    parser.add_argument("--threads", type=int, help="torch.set_num_threads (default: torch's choice)")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch.set_num_threads; 0 keeps torch's default (one per core). 1 by default for repeatable numbers "
+        "on a shared machine, where more threads make every small op wait for a descheduled thread (bench/README.md)",
+    )
+    parser.add_argument("--bandwidth-mb", type=int, default=512, help="size of the tensor copied to measure bandwidth")
     parser.add_argument("--config", type=json.loads, default={}, help="JSON overrides of the model config")
     parser.add_argument("--no-token-ids", action="store_true", help="leave generated token ids out of the JSON")
     args = parser.parse_args(argv)
@@ -407,6 +431,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     started = time.perf_counter()
+    load_before = os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="deepinfer-bench-") as tmp:
         if args.checkpoint:
             checkpoint, origin = args.checkpoint, "given"
@@ -417,62 +442,105 @@ def main(argv: list[str] | None = None) -> int:
         sizes = model_bytes(checkpoint)
         vocab = sizes["config"]["vocab_size"]
         min_len = args.min_prompt_len or args.prompt_len
-        prompts = make_prompts(args.num_prompts, min_len, args.prompt_len, vocab, args.seed + 100)
-        warmup = make_prompts(min(args.num_prompts, 4), min_len, args.prompt_len, vocab, args.seed + 200)
+        prompt_sets = [
+            make_prompts(args.num_prompts, min_len, args.prompt_len, vocab, args.seed + 100 + r)
+            for r in range(args.repeats)
+        ]
+        warmup = make_prompts(min(args.num_prompts, 4), min_len, args.prompt_len, vocab, args.seed + 99)
         workload = {
             "num_prompts": args.num_prompts,
             "prompt_len_range": [min_len, args.prompt_len],
-            "mean_prompt_len": sum(map(len, prompts)) / len(prompts),
+            "mean_prompt_len": sum(len(p) for ps in prompt_sets for p in ps) / (args.num_prompts * args.repeats),
             "max_new_tokens": args.max_new_tokens,
             "greedy": True,
             "ignore_eos": True,
-            "prompt_tokens": "uniform random ids in [8, vocab)",
+            "prompt_tokens": "uniform random ids in [8, vocab); a fresh set per repeat, the same set for every system",
+            "repeats": args.repeats,
+            "order": "systems interleaved within each repeat",
             "seed": args.seed,
             "warmup": "one generate per system on 4 other random prompts, 4 new tokens, before timing",
         }
-        print(f"checkpoint: {checkpoint} ({sizes['total'] / 1e6:.2f} M params excl. MTP); workload {workload['num_prompts']} x "
-              f"{args.prompt_len} -> {args.max_new_tokens}", flush=True)
+        print(
+            f"checkpoint: {checkpoint} ({sizes['total'] / 1e6:.2f} M params); workload {args.num_prompts} prompts x "
+            f"{args.prompt_len} tokens -> {args.max_new_tokens} new, {args.repeats} repeats, "
+            f"{torch.get_num_threads()} thread(s)",
+            flush=True,
+        )
 
-        results = []
-        print("running deepinfer ...", flush=True)
-        results.append(run_deepinfer(checkpoint, prompts, warmup, args.max_new_tokens, args))
+        systems = [DeepInferSystem(checkpoint, args)]
         if not args.skip_hf:
             model, load_s = load_hf(checkpoint)
-            print("running hf batched ...", flush=True)
-            results.append(run_hf(model, load_s, prompts, warmup, args.max_new_tokens, args.num_prompts))
+            systems.append(HFSystem(model, load_s, args.num_prompts))
             if args.hf_batch1:
-                print("running hf batch 1 ...", flush=True)
-                results.append(run_hf(model, load_s, prompts, warmup, args.max_new_tokens, 1))
-            del model
+                systems.append(HFSystem(model, load_s, 1))
+        for system in systems:
+            system.generate(warmup, 4)
 
-    copy = measure_copy_bandwidth()
+        seconds = {s.name: [] for s in systems}
+        tokens = {s.name: [] for s in systems}
+        extras = {s.name: [] for s in systems}
+        for r, prompts in enumerate(prompt_sets):
+            for system in systems:
+                t0 = time.perf_counter()
+                out, extra = system.generate(prompts, args.max_new_tokens)
+                seconds[system.name].append(time.perf_counter() - t0)
+                tokens[system.name] += out
+                extras[system.name].append(extra)
+            print(
+                f"repeat {r + 1}/{args.repeats}: " + ", ".join(f"{n} {v[-1]:.2f} s" for n, v in seconds.items()),
+                flush=True,
+            )
+        infos = {s.name: s.info for s in systems}
+        del systems
+
+    results = []
+    for name, times in seconds.items():
+        generated = sum(len(t) for t in tokens[name]) // args.repeats
+        first = extras[name][0]
+        result = dict(infos[name])
+        results.append(result)
+        result["seconds_per_repeat"] = times
+        result["median_seconds"] = _median(times)
+        result["best_seconds"] = min(times)
+        result["total_seconds"] = result["median_seconds"]
+        result["output_tokens"] = generated
+        result["output_tokens_per_s"] = generated / result["median_seconds"]
+        result["output_tokens_per_s_best"] = generated / result["best_seconds"]
+        for key in first:
+            values = [e[key] for e in extras[name]]
+            result[key] = values[0] if all(v == values[0] for v in values) else values
+
+    copy = measure_copy_bandwidth(args.bandwidth_mb)
     matmul = measure_matmul_rate()
     bound_info = bound(sizes, copy, matmul, workload)
     lower = bound_info["lower_bound_seconds_estimate"]
     for r in results:
-        r["fraction_of_bound_estimate"] = lower / r["total_seconds"]
-        r["fraction_of_memory_bound_estimate"] = bound_info["memory_bound_seconds_estimate"] / r["total_seconds"]
-
-    by_name = {r["system"]: r["token_ids"] for r in results}
-    agree = {}
-    for other in by_name:
-        if other != "deepinfer":
-            agree[f"deepinfer_vs_{other}"] = agreement(by_name["deepinfer"], by_name[other])
-    if "hf_batch1" in by_name:
-        agree[f"hf_batch{args.num_prompts}_vs_hf_batch1"] = agreement(by_name[f"hf_batch{args.num_prompts}"], by_name["hf_batch1"])
-    if "hf_batch1" in by_name or not args.skip_hf:
+        r["fraction_of_bound_estimate"] = lower / r["median_seconds"]
+        r["fraction_of_memory_bound_estimate"] = bound_info["memory_bound_seconds_estimate"] / r["median_seconds"]
+    if not args.skip_hf:
         hf = results[1]
         for r in results:
-            r["speedup_vs_hf_batched"] = hf["total_seconds"] / r["total_seconds"]
-    if args.no_token_ids:
+            r["speedup_vs_hf_batched"] = hf["median_seconds"] / r["median_seconds"]
+
+    agree = {}
+    names = list(tokens)
+    for other in names[1:]:
+        agree[f"deepinfer_vs_{other}"] = agreement(tokens["deepinfer"], tokens[other])
+    if "hf_batch1" in tokens and len(names) > 2:
+        agree[f"{names[1]}_vs_hf_batch1"] = agreement(tokens[names[1]], tokens["hf_batch1"])
+    if not args.no_token_ids:
         for r in results:
-            r.pop("token_ids")
+            r["token_ids_first_repeat"] = tokens[r["system"]][: args.num_prompts]
 
     report = {
         "benchmark": "offline_throughput",
         "timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "command": " ".join([Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])]),
-        "machine": machine(),
+        "command": " ".join(["python", "bench/offline_throughput.py", *(argv if argv is not None else sys.argv[1:])]),
+        "machine": {
+            **machine(),
+            "load_average_1_5_15_before": load_before,
+            "load_average_1_5_15_after": os.getloadavg(),
+        },
         "versions": versions(),
         "checkpoint": {"origin": origin, "path": str(args.checkpoint) if args.checkpoint else None, "seed": args.seed},
         "config": sizes["config"],
@@ -480,7 +548,7 @@ def main(argv: list[str] | None = None) -> int:
         "results": results,
         "greedy_agreement": agree,
         "bound": bound_info,
-        "measurements": {"copy_bandwidth": copy, "matmul": matmul},
+        "measurements": {"copy_bandwidth": copy, "matmul": matmul, "threads": torch.get_num_threads()},
         "wall_seconds": time.perf_counter() - started,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)

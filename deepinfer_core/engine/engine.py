@@ -100,7 +100,9 @@ class Engine:
     def _encode(self, prompt: str | Sequence[int]) -> list[int]:
         if isinstance(prompt, str):
             if self.tokenizer is None:
-                raise RequestError("this model has no tokenizer.json, so prompts must be token ids (--prompt-token-ids)")
+                raise RequestError(
+                    "this model has no tokenizer.json, so prompts must be token ids (--prompt-token-ids)"
+                )
             token_ids = self.tokenizer.encode(prompt)
         else:
             token_ids = [int(t) for t in prompt]

@@ -10,13 +10,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from deepinfer_core.backend.ops import RoutingConfig
+from deepinfer_core.errors import DeepInferError
 
 __all__ = ["DeepseekConfig", "RopeConfig", "ConfigError"]
 
 SUPPORTED_ARCHITECTURES = ("DeepseekV3ForCausalLM", "DeepseekV2ForCausalLM")
 
 
-class ConfigError(ValueError):
+class ConfigError(DeepInferError, ValueError):
     """config.json is missing a field or holds a value DeepInfer cannot serve."""
 
 

@@ -10,6 +10,7 @@ import json
 import logging
 import re
 from collections.abc import Mapping
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +24,7 @@ __all__ = ["CheckpointError", "dequantize_fp8_blocks", "load_tensors", "read_con
 
 log = logging.getLogger(__name__)
 INDEX_FILE = "model.safetensors.index.json"
+_UNSUPPORTED_FP8 = (torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz)
 
 
 class CheckpointError(DeepInferError):
@@ -93,29 +95,33 @@ def load_tensors(
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
         raise CheckpointError(f"checkpoint {path} is missing {len(missing)} tensor(s) the model needs: {shown}")
     block = _fp8_block(config)
-    by_file: dict[Path, list[str]] = {}
-    for name in expected:
-        by_file.setdefault(files[name], []).append(name)
     tensors: dict[str, torch.Tensor] = {}
     bar = tqdm(total=len(expected), desc="Loading weights", unit="tensor", disable=not progress, leave=False)
-    for file, names in by_file.items():
-        with safe_open(file, "pt") as f:
-            for name in names:
-                tensor = f.get_tensor(name)
-                if tensor.dtype == torch.float8_e4m3fn:
-                    scale_name = name + "_scale_inv"
-                    if block is None or scale_name not in files:
-                        raise CheckpointError(f"tensor {name} is FP8 but {scale_name} / quantization_config is missing")
-                    with safe_open(files[scale_name], "pt") as scales:
-                        tensor = dequantize_fp8_blocks(tensor, scales.get_tensor(scale_name), block)
-                if tuple(tensor.shape) != tuple(expected[name]):
-                    raise CheckpointError(
-                        f"tensor {name} in {file.name} has shape {tuple(tensor.shape)}, but the config implies "
-                        f"{tuple(expected[name])}"
-                    )
-                keep = keep_float32 is not None and keep_float32.search(name)
-                tensors[name] = tensor.to(torch.float32 if keep else dtype)
-                bar.update()
+    with ExitStack() as stack:
+        opened: dict[Path, Any] = {}
+
+        def handle(file: Path):  # each shard is opened once for the whole load
+            if file not in opened:
+                opened[file] = stack.enter_context(safe_open(file, "pt"))
+            return opened[file]
+
+        for name, shape in expected.items():
+            tensor = handle(files[name]).get_tensor(name)
+            if tensor.dtype in _UNSUPPORTED_FP8:
+                raise CheckpointError(f"tensor {name} is {tensor.dtype}; only float8_e4m3fn weights are supported")
+            if tensor.dtype == torch.float8_e4m3fn:
+                scale_name = name + "_scale_inv"
+                if block is None or scale_name not in files:
+                    raise CheckpointError(f"tensor {name} is FP8 but {scale_name} / quantization_config is missing")
+                tensor = dequantize_fp8_blocks(tensor, handle(files[scale_name]).get_tensor(scale_name), block)
+            if tuple(tensor.shape) != tuple(shape):
+                raise CheckpointError(
+                    f"tensor {name} in {files[name].name} has shape {tuple(tensor.shape)}, but the config implies "
+                    f"{tuple(shape)}"
+                )
+            keep = keep_float32 is not None and keep_float32.search(name)
+            tensors[name] = tensor.to(torch.float32 if keep else dtype)
+            bar.update()
     bar.close()
     unused = [n for n in files if n not in expected and not n.endswith("_scale_inv")]
     if unused:

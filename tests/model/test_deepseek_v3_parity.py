@@ -106,20 +106,20 @@ def test_ragged_prefill_logits_match_hf(hf_checkpoint, backend, prompts, variant
 
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_chunked_steps_over_the_cache_match_hf(hf_checkpoint, backend, prompts, variant):
-    """Two ragged steps: first chunks, then the rest of each prompt (one row a 1-token decode, one
-    idle row computed nothing new) read the first step's latents back from the paged cache."""
+    """Two ragged steps: first chunks of three prompts, then the rest of all four (the 7-token prompt
+    as a 1-token step, the 1-token prompt starting fresh) reading the first step's latents back from
+    the paged cache. Logits of both steps, stitched per prompt, match HF's at every position."""
     ckpt = hf_checkpoint(variant)
     model = _our_model(ckpt.path, backend)
     runner = _runner(model, backend)
     requests = _requests(prompts, seed=1)
-    first = [3, 6, 17, 64]  # the 1-token prompt takes no part in the first step
-    second = [len(p) - n for p, n in zip(prompts, first)]  # [-2, 1, 23, 36]: fixed below
-    first[0], second[0] = 0, 1
-    step1 = _step_logits(model, runner, [(r, n) for r, n in zip(requests[1:], first[1:])])
-    step2 = _step_logits(model, runner, [(r, n) for r, n in zip(requests, second)])
+    first = {1: 6, 2: 17, 3: 64}  # prompt index -> tokens in step 1 (17: one past a block boundary)
+    step1 = _step_logits(model, runner, [(requests[i], n) for i, n in first.items()])
+    step2 = _step_logits(model, runner, [(r, r.num_tokens - r.num_computed_tokens) for r in requests])
+    assert [r.num_computed_tokens for r in requests] == LENGTHS
     hf = _hf_logits(ckpt.hf_model, prompts)
     for i, (prompt, theirs) in enumerate(zip(prompts, hf)):
-        mine = step2[i] if i == 0 else torch.cat([step1[i - 1], step2[i]])
+        mine = torch.cat([step1[list(first).index(i)], step2[i]]) if i in first else step2[i]
         torch.testing.assert_close(mine, theirs, msg=lambda m: f"prompt of {len(prompt)} tokens: {m}")
 
 
