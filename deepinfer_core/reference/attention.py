@@ -36,14 +36,14 @@ class ReferenceAttention:
             if q_end == q_start:
                 continue
             positions = torch.arange(seq_len, device=q.device)
-            entries = self.layout.gather(
-                cache, spec, paged_slots(meta.block_tables[b], positions, self.layout.block_size)
-            )
-            entries = entries.float().repeat_interleave(group, dim=1)  # [S, H, Dc]
+            slots = paged_slots(meta.block_tables[b], positions, self.layout.block_size)
+            entries = self.layout.gather(cache, spec, slots).float()  # [S, Hkv, Dc]
             keys = entries[..., :key_dim]
             values = entries[..., value_offset : value_offset + value_dim]
-            scores = torch.einsum("qhd,shd->hqs", q[q_start:q_end].float(), keys) * scale  # [H, Q, S]
+            queries = q[q_start:q_end].float().unflatten(1, (spec.num_heads, group))  # [Q, Hkv, G, Dk]
+            scores = torch.einsum("qkgd,skd->kgqs", queries, keys) * scale  # [Hkv, G, Q, S]
             q_pos = torch.arange(seq_len - (q_end - q_start), seq_len, device=q.device)  # [Q]
-            scores = scores.masked_fill(positions[None, None, :] > q_pos[None, :, None], float("-inf"))
-            out[q_start:q_end] = torch.einsum("hqs,shd->qhd", scores.softmax(dim=-1), values).to(q.dtype)
+            scores = scores.masked_fill(positions[None, :] > q_pos[:, None], float("-inf"))
+            attended = torch.einsum("kgqs,skd->qkgd", scores.softmax(dim=-1), values)  # [Q, Hkv, G, Dv]
+            out[q_start:q_end] = attended.flatten(1, 2).to(q.dtype)
         return out

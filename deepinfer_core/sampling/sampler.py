@@ -141,8 +141,10 @@ class TorchSampler:
         logits = logits.float()
         raw_logprobs = torch.log_softmax(logits, dim=1)  # [B, V]
         penalized = apply_penalties(logits, batch)
-        noisy = filter_logits(penalized, batch) + gumbel_noise(batch.seeds, batch.steps, logits.shape[1])
-        token_ids = torch.where(batch.temperature > 0, noisy.argmax(dim=1), penalized.argmax(dim=1))
+        token_ids = penalized.argmax(dim=1)
+        if bool((batch.temperature > 0).any()):  # an all-greedy batch needs no filtering and no noise
+            noisy = filter_logits(penalized, batch) + gumbel_noise(batch.seeds, batch.steps, logits.shape[1])
+            token_ids = torch.where(batch.temperature > 0, noisy.argmax(dim=1), token_ids)
         top_logprobs, top_ids = raw_logprobs.topk(batch.num_logprobs, dim=1)
         return SampleOutput(
             token_ids=token_ids,
