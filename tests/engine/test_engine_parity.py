@@ -43,6 +43,15 @@ def ckpt_b(tmp_path_factory):
     return _helper().build_checkpoint("b", tmp_path_factory.mktemp("hf-deepseek-v3"))
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    """The model is tiny: one intra-op thread is faster, and steady when other jobs share the cores."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def _llm(ckpt, **kwargs) -> LLM:
     kwargs.setdefault("num_kv_blocks", 64)
     return LLM(model=ckpt.path, accelerator="cpu", block_size=BLOCK, progress=False, **kwargs)
@@ -174,6 +183,13 @@ def test_prefix_cache_hit_matches_uncached_run(ckpt_b):
     assert want_a.num_cached_tokens == 0
     _assert_same_logprobs(out_a.outputs[0], want_a.outputs[0])
 
+    # a block's identity is its whole prefix: a prompt that starts with the prefix's second block
+    # finds nothing, although the cache holds a block with exactly those 16 tokens
+    third = prefix[BLOCK : 2 * BLOCK] + tail_b
+    [out_c] = cached.generate([third], params)
+    assert out_c.num_cached_tokens == 0
+    _assert_same_logprobs(out_c.outputs[0], fresh.generate([third], params)[0].outputs[0])
+
 
 # ---- preemption --------------------------------------------------------------------------------
 
@@ -184,7 +200,9 @@ PREEMPT_LENGTHS = [20, 33, 47, 60, 28, 52]
 def _mixed_params(max_tokens: int) -> list[SamplingParams]:
     greedy = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     return [
-        greedy if i % 2 == 0 else SamplingParams(temperature=0.8, top_p=0.9, seed=100 + i, max_tokens=max_tokens, ignore_eos=True)
+        greedy
+        if i % 2 == 0
+        else SamplingParams(temperature=0.8, top_p=0.9, seed=100 + i, max_tokens=max_tokens, ignore_eos=True)
         for i in range(len(PREEMPT_LENGTHS))
     ]
 
@@ -198,13 +216,16 @@ def test_preemption_completes_every_request_with_the_same_tokens(ckpt_b, prefix_
     # 7 blocks of 16: enough for the longest request (60 + 24 tokens = 6 blocks), not for two at once
     tight = _llm(ckpt_b, num_kv_blocks=7, enable_prefix_caching=prefix_caching)
     steps = _record_steps(tight)
-    requests = []
-    add = tight.engine.scheduler.add
-    tight.engine.scheduler.add = lambda r: (requests.append(r), add(r))[1]
+    scheduler = tight.engine.scheduler
+    requests, preempted = [], []  # every request; (request id, tokens generated) at each preemption
+    add, preempt = scheduler.add, scheduler._preempt
+    scheduler.add = lambda r: (requests.append(r), add(r))[1]
+    scheduler._preempt = lambda r: (preempted.append((r.request_id, len(r.output_token_ids))), preempt(r))[1]
     got = tight.generate(prompts, params)
 
-    assert sum(step.num_preempted for step in steps) > 0
-    assert sum(r.num_preemptions for r in requests) == sum(step.num_preempted for step in steps)
+    assert len(preempted) == sum(step.num_preempted for step in steps) == sum(r.num_preemptions for r in requests)
+    assert len(preempted) > 0
+    assert any(generated > 0 for _, generated in preempted)  # recomputed its own output tokens too
     assert all(r.finished for r in requests)
     assert tight.engine.blocks.num_used_blocks == 0  # every block came back
     for g, w, prompt in zip(got, want, prompts):
@@ -237,6 +258,14 @@ def test_seeded_sampling_is_reproducible_and_batch_independent(ckpt_b):
     assert len(tokens) == 24 and len(set(tokens)) > 5
     for out in (again, in_batch):
         _assert_same_logprobs(out.outputs[0], alone.outputs[0])
+    # the logprobs are the model's raw ones (before temperature / top-p), as HF computes them
+    values, ids = _hf_top_logprobs(ckpt_b.hf_model, target, tokens, VOCAB)
+    chosen = [float(v[i.tolist().index(t)]) for v, i, t in zip(values, ids, tokens)]
+    torch.testing.assert_close(torch.tensor(alone.outputs[0].logprobs), torch.tensor(chosen))
+    for mine, hf_ids, hf_values in zip(alone.outputs[0].top_logprobs, ids[:, :2].tolist(), values[:, :2]):
+        assert list(mine) == hf_ids
+        torch.testing.assert_close(torch.tensor(list(mine.values())), hf_values)
+    assert any(c < v[0] - 0.5 for c, v in zip(chosen, values))  # it did sample below the top token
     # it is sampling, not greedy: the seed decides; another seed or greedy gives other tokens
     [other_seed] = llm.generate([target], SamplingParams(temperature=0.8, top_p=0.9, seed=4321, max_tokens=24))
     [greedy] = llm.generate([target], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))

@@ -3,12 +3,12 @@
 `build_checkpoint(variant, root)` makes a seeded `transformers.DeepseekV3ForCausalLM`, gives it
 non-degenerate weights (every parameter re-drawn, router score-correction biases non-zero), saves it
 with `save_pretrained` under `root/variant` and returns the path with the float32 eval-mode HF model.
-Built once per process and variant; both tests/model and tests/engine use it through `load_helper`.
+Built once per process and variant: tests/model/conftest.py and tests/engine/test_engine_parity.py load
+this file as one module (sys.modules["deepinfer_tests_hf_checkpoints"]), so both share the builds.
 """
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -52,7 +52,9 @@ YARN = {
 }
 VARIANTS = {
     # (a) plain query projection, one expert group, plain RoPE
-    "a": dict(q_lora_rank=None, n_group=1, topk_group=1, rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
+    "a": dict(
+        q_lora_rank=None, n_group=1, topk_group=1, rope_parameters={"rope_type": "default", "rope_theta": 10000.0}
+    ),
     # (b) low-rank queries, grouped routing (keep 2 of 4 groups), YaRN RoPE with mscale
     "b": dict(q_lora_rank=24, n_group=4, topk_group=2, rope_parameters=YARN),
 }
@@ -88,7 +90,6 @@ def _redraw_(model: torch.nn.Module, generator: torch.Generator) -> None:
                 buffer.copy_(BIAS_STD * torch.randn(buffer.shape, generator=generator))
 
 
-@functools.cache
 def _build(variant: str, root: Path) -> Checkpoint:
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
@@ -106,9 +107,11 @@ def _build(variant: str, root: Path) -> Checkpoint:
     return Checkpoint(variant, path, model)
 
 
-_roots: dict[str, Path] = {}
+_built: dict[str, Checkpoint] = {}
 
 
 def build_checkpoint(variant: str, root: Path) -> Checkpoint:
-    """The checkpoint of `variant` ("a" or "b"); the first `root` a process passes is where they live."""
-    return _build(variant, _roots.setdefault("root", Path(root)))
+    """The checkpoint of `variant` ("a" or "b"), built on first use under `root` (later roots are ignored)."""
+    if variant not in _built:
+        _built[variant] = _build(variant, Path(root))
+    return _built[variant]

@@ -25,6 +25,15 @@ LENGTHS = [1, 7, 40, 100]  # one token, under a block, non-multiples spanning 3 
 VARIANTS = ["a", "b"]
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    """The model is tiny: one intra-op thread is faster, and steady when other jobs share the cores."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="module")
 def backend():
     return resolve_backend(select_backend(discover(), "cpu"), dtype=torch.float32, block_size=BLOCK)
@@ -98,9 +107,10 @@ def test_ragged_prefill_logits_match_hf(hf_checkpoint, backend, prompts, variant
     model = _our_model(ckpt.path, backend)
     ours = _our_ragged_logits(model, backend, prompts)
     for prompt, mine, theirs in zip(prompts, ours, _hf_logits(ckpt.hf_model, prompts)):
-        assert mine.shape == theirs.shape == (len(prompt), 256)
+        n = len(prompt)
+        assert mine.shape == theirs.shape == (n, 256)
         assert mine.dtype == theirs.dtype == torch.float32
-        torch.testing.assert_close(mine, theirs, msg=lambda m: f"prompt of {len(prompt)} tokens: {m}")
+        torch.testing.assert_close(mine, theirs, msg=lambda m, n=n: f"prompt of {n} tokens: {m}")
         assert theirs.std() > 1.0  # logits are far from flat: the comparison has teeth
 
 
@@ -120,7 +130,8 @@ def test_chunked_steps_over_the_cache_match_hf(hf_checkpoint, backend, prompts, 
     hf = _hf_logits(ckpt.hf_model, prompts)
     for i, (prompt, theirs) in enumerate(zip(prompts, hf)):
         mine = torch.cat([step1[list(first).index(i)], step2[i]]) if i in first else step2[i]
-        torch.testing.assert_close(mine, theirs, msg=lambda m: f"prompt of {len(prompt)} tokens: {m}")
+        n = len(prompt)
+        torch.testing.assert_close(mine, theirs, msg=lambda m, n=n: f"prompt of {n} tokens: {m}")
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
