@@ -33,6 +33,8 @@ class LLM:
 
     model: a Hugging Face-format checkpoint folder, or None for the embedded demo model (random weights).
     accelerator: backend name, alias or "auto" (default: $DEEPINFER_ACCELERATOR, else auto).
+    backend: an already resolved backend to run on instead (accelerator, dtype and block_size are then
+        the backend's); the conformance suite uses this to run the engine on the backend under test.
     """
 
     def __init__(
@@ -48,11 +50,12 @@ class LLM:
         max_num_batched_tokens: int = 2048,
         enable_prefix_caching: bool = True,
         progress: bool = True,
+        backend: ResolvedBackend | None = None,
     ) -> None:
         if dtype not in _DTYPES:
             raise DeepInferError(f"dtype {dtype!r} is not one of {', '.join(_DTYPES)}")
         discovery = discover()
-        self.backend: ResolvedBackend = resolve_backend(
+        self.backend: ResolvedBackend = backend or resolve_backend(
             select_backend(discovery, accelerator), dtype=_DTYPES[dtype], block_size=block_size
         )
         if model is None:
