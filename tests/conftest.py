@@ -13,12 +13,14 @@ import pytest
 collect_ignore = ["distributions"]
 
 DISTRIBUTIONS = Path(__file__).parent / "distributions"
+PLUGINS = Path(__file__).parent.parent / "plugins"
 
 
 @pytest.fixture(scope="session")
 def install_distributions(tmp_path_factory):
     """install_distributions("test_backends", ...) -> a directory where pip installed those
-    distributions (entry points included), to put on sys.path / PYTHONPATH. Cached per combination."""
+    distributions (entry points included), to put on sys.path / PYTHONPATH. Cached per combination.
+    Names are folders of tests/distributions or of plugins/."""
     cache: dict[tuple[str, ...], Path] = {}
 
     def install(*names: str) -> Path:
@@ -29,7 +31,8 @@ def install_distributions(tmp_path_factory):
             target.mkdir()
             sources = []
             for name in key:  # build from a copy so the source tree stays clean
-                sources.append(str(shutil.copytree(DISTRIBUTIONS / name, root / "src" / name)))
+                source = DISTRIBUTIONS / name if (DISTRIBUTIONS / name).is_dir() else PLUGINS / name
+                sources.append(str(shutil.copytree(source, root / "src" / name)))
             if sources:
                 subprocess.run(
                     [

@@ -55,7 +55,9 @@ class Suite:
     def require_dtype(self, dtype: torch.dtype) -> None:
         name = str(dtype).removeprefix("torch.")
         if name not in self.capabilities.dtypes or name not in self.reference.capabilities.dtypes:
-            pytest.skip(f"{self.under_test.name} does not compute in {name} (it declares {', '.join(self.capabilities.dtypes)})")
+            pytest.skip(
+                f"{self.under_test.name} does not compute in {name} (it declares {', '.join(self.capabilities.dtypes)})"
+            )
 
 
 class Check:
@@ -71,15 +73,22 @@ class Check:
         self.item.user_properties[:] = [p for p in self.item.user_properties if p[0] != "deepinfer"]
         self.item.user_properties.append(("deepinfer", fields))
 
-    def close(self, actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype, reduce_dim: int = 1,
-              what: str = "output") -> None:
+    def close(
+        self,
+        actual: torch.Tensor,
+        expected: torch.Tensor,
+        dtype: torch.dtype,
+        reduce_dim: int = 1,
+        what: str = "output",
+    ) -> None:
         """Assert actual ≈ expected within the dtype's tolerance (scaled for a reduction of reduce_dim)."""
         rtol, atol = tolerance(dtype, reduce_dim)
         self._measure(actual, expected)
         self.tolerance = {"rtol": rtol, "atol": atol}
         self._record(max_abs_err=self.max_abs, max_rel_err=self.max_rel, tolerance=self.tolerance)
-        torch.testing.assert_close(actual.cpu().float(), expected.cpu().float(), rtol=rtol, atol=atol,
-                                   msg=lambda m: f"{what}: {m}")
+        torch.testing.assert_close(
+            actual.cpu().float(), expected.cpu().float(), rtol=rtol, atol=atol, msg=lambda m: f"{what}: {m}"
+        )
 
     def equal(self, actual: torch.Tensor, expected: torch.Tensor, what: str = "output") -> None:
         """Assert bitwise equality (batch invariance, integer outputs, canonical cache contents)."""
@@ -90,8 +99,10 @@ class Check:
         assert a.shape == e.shape and a.dtype == e.dtype, f"{what}: {a.shape}/{a.dtype} vs {e.shape}/{e.dtype}"
         if not torch.equal(a, e):
             mismatched = int((a != e).sum())
-            raise AssertionError(f"{what}: {mismatched} of {a.numel()} elements differ (max abs {self.max_abs:.3g}); "
-                                 f"expected bitwise equality")
+            raise AssertionError(
+                f"{what}: {mismatched} of {a.numel()} elements differ (max abs {self.max_abs:.3g}); "
+                f"expected bitwise equality"
+            )
 
     def metric(self, **fields) -> None:
         """Record other measurements (agreement rates, statistics) for the report."""
@@ -104,4 +115,6 @@ class Check:
         finite = torch.isfinite(a) & torch.isfinite(e)
         diff = (a - e).abs().where(finite, torch.zeros_like(a))
         self.max_abs = max(self.max_abs, float(diff.max()))
-        self.max_rel = max(self.max_rel, float((diff / e.abs().clamp_min(1e-12)).where(finite, torch.zeros_like(a)).max()))
+        self.max_rel = max(
+            self.max_rel, float((diff / e.abs().clamp_min(1e-12)).where(finite, torch.zeros_like(a)).max())
+        )

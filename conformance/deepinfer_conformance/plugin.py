@@ -21,37 +21,38 @@ REFERENCE = "cpu"
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("deepinfer", "DeepInfer backend conformance")
-    group.addoption("--deepinfer-backend", default=None,
-                    help="backend to check against the reference (name, alias or auto; default: off)")
+    group.addoption(
+        "--deepinfer-backend",
+        default=None,
+        help="backend to check against the reference (name, alias or auto; default: off)",
+    )
     group.addoption("--deepinfer-report", default=None, help="write the JSON report here")
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    if not config.getoption("deepinfer_backend"):
+    name = config.getoption("deepinfer_backend")
+    if not name:
         return
-    if config.args_source != pytest.Config.ArgsSource.ARGS:  # no explicit paths: run the suite itself
-        config.args[:] = [str(CASES_DIR)]
-    config.pluginmanager.register(_Collector(config), "deepinfer-conformance-collector")
-
-
-@pytest.fixture(scope="session")
-def suite(request: pytest.FixtureRequest) -> Suite:
     from deepinfer_core.backend.registry import discover
     from deepinfer_core.backend.selection import select_backend
     from deepinfer_core.errors import DeepInferError
 
-    name = request.config.getoption("deepinfer_backend")
-    if not name:
-        pytest.skip("conformance cases run only with --deepinfer-backend=NAME")
     discovery = discover()
     try:
-        under_test = select_backend(discovery, name)
-        reference = select_backend(discovery, REFERENCE)
+        suite = Suite(select_backend(discovery, name), select_backend(discovery, REFERENCE))
     except DeepInferError as err:
-        pytest.exit(f"deepinfer conformance: {err}", returncode=2)
+        raise pytest.UsageError(f"deepinfer conformance: {err}") from None
+    if config.args_source != pytest.Config.ArgsSource.ARGS:  # no explicit paths: run the suite itself
+        config.args[:] = [str(CASES_DIR)]
+    config.pluginmanager.register(_Collector(config, suite), "deepinfer-conformance-collector")
+
+
+@pytest.fixture(scope="session")
+def suite(request: pytest.FixtureRequest) -> Suite:
     collector = request.config.pluginmanager.get_plugin("deepinfer-conformance-collector")
-    collector.under_test = under_test
-    return Suite(under_test, reference)
+    if collector is None:
+        pytest.skip("conformance cases run only with --deepinfer-backend=NAME")
+    return collector.suite
 
 
 @pytest.fixture
@@ -62,10 +63,9 @@ def check(request: pytest.FixtureRequest) -> Check:
 class _Collector:
     """Gathers every case's outcome and measurements; writes the report when the session ends."""
 
-    def __init__(self, config: pytest.Config) -> None:
-        self.config = config
+    def __init__(self, config: pytest.Config, suite: Suite) -> None:
+        self.config, self.suite = config, suite
         self.results: dict[str, CaseResult] = {}
-        self.under_test = None
         self.started = time.time()
 
     @pytest.hookimpl(wrapper=True)
@@ -94,8 +94,8 @@ class _Collector:
         terminalreporter.section("deepinfer conformance")
         terminalreporter.write_line(format_table(list(self.results.values())))
         path = self.config.getoption("deepinfer_report")
-        if path and self.under_test is not None:
-            report = build_report(self.under_test, list(self.results.values()), time.time() - self.started)
+        if path:
+            report = build_report(self.suite.under_test, list(self.results.values()), time.time() - self.started)
             write_report(report, path)
             terminalreporter.write_line(f"report written to {os.path.abspath(path)}")
 

@@ -25,8 +25,13 @@ class CaseResult:
     duration_s: float = 0.0
 
     def as_dict(self) -> dict:
-        return {"case": self.case, "status": self.status, "reason": self.reason, **self.measured,
-                "duration_s": round(self.duration_s, 4)}
+        return {
+            "case": self.case,
+            "status": self.status,
+            "reason": self.reason,
+            **self.measured,
+            "duration_s": round(self.duration_s, 4),
+        }
 
 
 def _machine() -> dict:
@@ -54,13 +59,21 @@ def build_report(backend, results: list[CaseResult], duration_s: float) -> dict:
             "name": backend.name,
             "distribution": backend.origin.distribution,
             "version": backend.origin.version,
-            "probe": {"available": backend.probe.available, "reason": backend.probe.reason, **dict(backend.probe.facts)},
+            "probe": {
+                "available": backend.probe.available,
+                "reason": backend.probe.reason,
+                **dict(backend.probe.facts),
+            },
             "capabilities": backend.capabilities.as_dict(),
         },
         "reference": "cpu",
         "machine": _machine(),
-        "summary": {**counts, "total": len(results), "duration_s": round(duration_s, 2),
-                    "conformant": counts["failed"] == 0 and counts["error"] == 0},
+        "summary": {
+            **counts,
+            "total": len(results),
+            "duration_s": round(duration_s, 2),
+            "conformant": counts["failed"] == 0 and counts["error"] == 0,
+        },
         "cases": [r.as_dict() for r in results],
     }
 
@@ -86,8 +99,16 @@ def format_table(results: list[CaseResult]) -> str:
     rows = [("CASE", "STATUS", "MAX ABS", "MAX REL", "TOLERANCE", "REASON")]
     for r in results:
         reason = r.reason.splitlines()[0][:100] if r.reason else ""
-        rows.append((r.case, r.status, _number(r.measured.get("max_abs_err")), _number(r.measured.get("max_rel_err")),
-                     _tolerance(r.measured), reason))
+        rows.append(
+            (
+                r.case,
+                r.status,
+                _number(r.measured.get("max_abs_err")),
+                _number(r.measured.get("max_rel_err")),
+                _tolerance(r.measured),
+                reason,
+            )
+        )
     widths = [max(len(row[i]) for row in rows) for i in range(5)]
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(row[:5], widths)) + "  " + row[5] for row in rows]
     counts = {s: sum(r.status == s for r in results) for s in ("passed", "failed", "error", "skipped")}

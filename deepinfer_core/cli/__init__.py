@@ -8,7 +8,7 @@ import sys
 
 from deepinfer_core import __version__
 from deepinfer_core.backend.hookspecs import API_VERSION
-from deepinfer_core.cli import backends, generate
+from deepinfer_core.cli import backends, conformance, generate
 from deepinfer_core.errors import DeepInferError
 
 __all__ = ["main"]
@@ -20,6 +20,7 @@ def _parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
     backends.add_parser(commands)
     generate.add_parser(commands)
+    conformance.add_parser(commands)
     return parser
 
 

@@ -19,8 +19,9 @@ def run(backend, name, *args, **kwargs):
     """Call op `name` of `backend` with the inputs moved to its device; return the result on CPU."""
     device = backend.torch_device
     moved = [a.to(device) if isinstance(a, torch.Tensor) else a for a in args]
-    out = getattr(backend.ops, name)(*moved, **{k: v.to(device) if isinstance(v, torch.Tensor) else v
-                                                for k, v in kwargs.items()})
+    out = getattr(backend.ops, name)(
+        *moved, **{k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
+    )
     return tuple(o.cpu() for o in out) if isinstance(out, tuple) else out.cpu()
 
 
@@ -44,8 +45,12 @@ def test_rotary(suite, check, dtype, tokens, interleaved):
     angles = torch.arange(4096).float()[:, None] * inv_freq[None, :]
     x = randn(tokens, 4, 64, seed=4, dtype=dtype)
     args = (x, positions, angles.cos(), angles.sin())
-    check.close(run(ours, "rotary", *args, interleaved=interleaved),
-                run(ref, "rotary", *args, interleaved=interleaved), dtype, reduce_dim=2)
+    check.close(
+        run(ours, "rotary", *args, interleaved=interleaved),
+        run(ref, "rotary", *args, interleaved=interleaved),
+        dtype,
+        reduce_dim=2,
+    )
 
 
 @pytest.mark.parametrize("bias", [False, True], ids=["no_bias", "bias"])
@@ -79,10 +84,19 @@ def test_silu_and_mul(suite, check, dtype, tokens):
 
 ROUTINGS = {
     "greedy_softmax": RoutingConfig(num_experts=16, top_k=4),
-    "group_limited_greedy": RoutingConfig(num_experts=16, top_k=4, method="group_limited_greedy", num_groups=4,
-                                          topk_groups=2, routed_scaling_factor=1.5),
-    "noaux_tc": RoutingConfig(num_experts=16, top_k=4, method="noaux_tc", scoring="sigmoid", num_groups=4,
-                              topk_groups=2, normalize=True, routed_scaling_factor=2.5),
+    "group_limited_greedy": RoutingConfig(
+        num_experts=16, top_k=4, method="group_limited_greedy", num_groups=4, topk_groups=2, routed_scaling_factor=1.5
+    ),
+    "noaux_tc": RoutingConfig(
+        num_experts=16,
+        top_k=4,
+        method="noaux_tc",
+        scoring="sigmoid",
+        num_groups=4,
+        topk_groups=2,
+        normalize=True,
+        routed_scaling_factor=2.5,
+    ),
 }
 
 
@@ -112,5 +126,9 @@ def test_expert_ffn(suite, check, dtype, counts):
     w13 = randn(experts, 2 * inner, hidden, seed=14, dtype=dtype, scale=0.2)
     w2 = randn(experts, hidden, inner, seed=15, dtype=dtype, scale=0.2)
     tokens_per_expert = torch.tensor(counts)
-    check.close(run(ours, "expert_ffn", x, tokens_per_expert, w13, w2),
-                run(ref, "expert_ffn", x, tokens_per_expert, w13, w2), dtype, reduce_dim=hidden)
+    check.close(
+        run(ours, "expert_ffn", x, tokens_per_expert, w13, w2),
+        run(ref, "expert_ffn", x, tokens_per_expert, w13, w2),
+        dtype,
+        reduce_dim=hidden,
+    )

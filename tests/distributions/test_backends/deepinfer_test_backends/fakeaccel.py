@@ -18,7 +18,12 @@ def deepinfer_backend_info():
 
 @hookimpl
 def deepinfer_backend_capabilities():
-    return Capabilities(dtypes=("float32",), cache_kinds=(CacheKind.PAGED,))
+    return Capabilities(
+        dtypes=("float32",),
+        cache_kinds=(CacheKind.PAGED,),
+        block_sizes=(64,),
+        unsupported=(("expert_ffn", "no grouped GEMM on the fake device"),),
+    )
 
 
 @hookimpl

@@ -1,0 +1,1 @@
+"""A deliberately non-conformant backend for the conformance suite's own tests."""
