@@ -1,0 +1,168 @@
+"""The backend's KV layout: whatever its physical layout, `gather` must give back exactly the canonical entries
+written at each slot id, for every cache kind it declares, and the same canonical cache as the reference."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from deepinfer_core.kv.layout import CacheKind, CacheSpec, paged_slots, ring_slots
+
+DTYPES = [torch.float32, torch.bfloat16]
+KINDS = list(CacheKind)
+
+# Units allocated per kind: blocks (PAGED) or sequence slots (SLIDING_WINDOW, SEQUENCE_STATE).
+UNITS = {CacheKind.PAGED: 9, CacheKind.SLIDING_WINDOW: 5, CacheKind.SEQUENCE_STATE: 7}
+
+
+def make_spec(kind: CacheKind, dtype: torch.dtype) -> CacheSpec:
+    if kind is CacheKind.PAGED:  # two heads of an MLA-sized entry (64 + 16)
+        return CacheSpec(kind, dtype, num_heads=2, head_dim=80)
+    if kind is CacheKind.SLIDING_WINDOW:  # production V4.1 Flash ring: window 128 + 6 rollback slots
+        return CacheSpec(kind, dtype, num_heads=1, head_dim=80, window=128, rollback_slots=6)
+    return CacheSpec(kind, dtype, state_shape=(3, 48))
+
+
+def randn(*shape, seed: int, dtype=torch.float32) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+def num_slots(layout, spec: CacheSpec, units: int) -> int:
+    if spec.kind is CacheKind.PAGED:
+        return units * layout.block_size
+    if spec.kind is CacheKind.SLIDING_WINDOW:
+        return units * spec.ring_size
+    return units
+
+
+def kv_dtype_backend(suite, dtype: torch.dtype, kind: CacheKind):
+    """(backend under test, reference) for a cache of `kind` stored in `dtype`, or skip with the reason."""
+    if kind not in suite.capabilities.cache_kinds:
+        pytest.skip(f"{suite.under_test.name} does not declare cache kind {kind.value}")
+    name = str(dtype).removeprefix("torch.")
+    if suite.capabilities.kv_dtypes and name not in suite.capabilities.kv_dtypes:
+        pytest.skip(f"{suite.under_test.name} does not store KV in {name} "
+                    f"(it declares {', '.join(suite.capabilities.kv_dtypes)})")
+    return suite.pair(dtype)
+
+
+class Cache:
+    """One layout's cache with the calls moving slots/values to its device and results back to CPU."""
+
+    def __init__(self, backend, spec: CacheSpec, units: int) -> None:
+        self.layout, self.spec, self.device = backend.kv_layout, spec, backend.torch_device
+        self.tensor = self.layout.allocate(spec, units)
+        self.size = num_slots(self.layout, spec, units)
+
+    def write(self, slots: torch.Tensor, values: torch.Tensor) -> None:
+        self.layout.write(self.tensor, self.spec, slots.to(self.device), values.to(self.device))
+
+    def gather(self, slots: torch.Tensor) -> torch.Tensor:
+        return self.layout.gather(self.tensor, self.spec, slots.to(self.device)).cpu()
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("kind", KINDS, ids=lambda k: k.value)
+def test_round_trip(suite, check, kind, dtype):
+    ours, _ = kv_dtype_backend(suite, dtype, kind)
+    spec = make_spec(kind, dtype)
+    cache = Cache(ours, spec, UNITS[kind])
+    assert cache.tensor.device.type == ours.torch_device.type, f"cache on {cache.tensor.device}"
+    everything = torch.arange(cache.size)
+    check.equal(cache.gather(everything), torch.zeros(cache.size, *spec.entry_shape, dtype=dtype),
+                what="freshly allocated cache (must be zeroed)")
+
+    # random distinct slots (about half of them), written in a random order, in two calls
+    perm = torch.randperm(cache.size, generator=torch.Generator().manual_seed(1))
+    written = perm[: max(2, cache.size // 2)]
+    values = randn(len(written), *spec.entry_shape, seed=2, dtype=dtype)
+    half = len(written) // 2
+    cache.write(written[:half], values[:half])
+    cache.write(written[half:], values[half:])
+    expected = torch.zeros(cache.size, *spec.entry_shape, dtype=dtype)
+    expected[written] = values
+    check.equal(cache.gather(written), values, what="gather of written slots")
+    check.equal(cache.gather(everything), expected, what="whole cache after writes (unwritten slots stay zero)")
+
+    # overwrite a third of the written slots; the rest must not move
+    again = written[torch.randperm(len(written), generator=torch.Generator().manual_seed(3))[: len(written) // 3 + 1]]
+    new_values = randn(len(again), *spec.entry_shape, seed=4, dtype=dtype)
+    cache.write(again, new_values)
+    expected[again] = new_values
+    check.equal(cache.gather(again), new_values, what="gather of overwritten slots")
+    check.equal(cache.gather(everything), expected, what="whole cache after overwrite")
+
+
+def write_calls(kind: CacheKind, spec: CacheSpec, layout, seed: int) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """The slot ids, in `layout`'s own slot numbering, of a realistic series of write calls, and the slots to
+    read back afterwards in canonical order. The calls store the same logical entries for any block size."""
+    if kind is CacheKind.PAGED:
+        # three sequences in shuffled blocks: a prefill each, then two decode steps; the second sequence's
+        # decode crosses into a new block
+        block_size = layout.block_size
+        lengths = [2 * block_size + 5, block_size - 1, 7]
+        needed = [math.ceil((n + 2) / block_size) for n in lengths]
+        order = torch.randperm(UNITS[kind], generator=torch.Generator().manual_seed(seed))
+        ends = torch.tensor(needed).cumsum(0).tolist()
+        tables = [order[end - count : end] for count, end in zip(needed, ends)]
+        calls = [paged_slots(tables[b], torch.arange(n), block_size) for b, n in enumerate(lengths)]
+        calls += [paged_slots(tables[b], torch.tensor([n + step]), block_size)
+                  for step in range(2) for b, n in enumerate(lengths)]
+        read = torch.cat([paged_slots(tables[b], torch.arange(n + 2), block_size) for b, n in enumerate(lengths)])
+        return calls, read
+    if kind is CacheKind.SLIDING_WINDOW:
+        # each sequence slot has a ring of window + rollback slots; positions a ring_size apart share a slot,
+        # so the third and fifth calls overwrite what the second and first wrote
+        ring = spec.ring_size
+        calls = [ring_slots(0, torch.arange(40), ring),
+                 ring_slots(3, torch.arange(500, 500 + ring), ring),  # one full turn of the ring
+                 ring_slots(3, torch.arange(500 + ring, 510 + ring), ring),
+                 ring_slots(2, torch.tensor([1000]), ring),
+                 ring_slots(0, torch.arange(ring, ring + 5), ring)]
+        return calls, torch.arange(UNITS[kind] * ring)
+    # one state per sequence slot, rewritten every step
+    calls = [torch.tensor([4, 1, 6]), torch.tensor([1]), torch.tensor([0, 4])]
+    return calls, torch.arange(UNITS[kind])
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("kind", KINDS, ids=lambda k: k.value)
+def test_matches_reference(suite, check, kind, dtype):
+    ours, ref = kv_dtype_backend(suite, dtype, kind)
+    spec = make_spec(kind, dtype)
+    canonical = []
+    for backend in (ours, ref):
+        cache = Cache(backend, spec, UNITS[kind])
+        calls, read = write_calls(kind, spec, backend.kv_layout, seed=5)
+        for i, slots in enumerate(calls):
+            cache.write(slots, randn(len(slots), *spec.entry_shape, seed=100 + i, dtype=dtype))
+        canonical.append(cache.gather(read))
+    check.equal(canonical[0], canonical[1], what=f"canonical {kind.value} cache vs the reference's")
+
+
+def test_block_sizes(suite, check):
+    """The layout's default block size is a declared one, each declared size is honoured, and a PAGED round
+    trip across block boundaries works at every declared size."""
+    caps = suite.capabilities
+    dtype = torch.float32 if "float32" in caps.dtypes else getattr(torch, caps.dtypes[0])
+    suite.require_dtype(dtype)
+    default = suite.resolved(suite.under_test, dtype).kv_layout.block_size
+    assert default in caps.block_sizes, (
+        f"{suite.under_test.name}'s layout uses {default}-token blocks, not among its declared block sizes "
+        f"{caps.block_sizes}")
+    check.metric(default_block_size=default, block_sizes=list(caps.block_sizes))
+    if CacheKind.PAGED not in caps.cache_kinds:
+        return
+    for size in caps.block_sizes:
+        backend = suite.resolved(suite.under_test, dtype, size)
+        assert backend.kv_layout.block_size == size, (
+            f"asked for {size}-token blocks, the layout has block_size {backend.kv_layout.block_size}")
+        spec = make_spec(CacheKind.PAGED, dtype)
+        cache = Cache(backend, spec, 3)
+        # the edges of every block: first and last slot of blocks 0..2
+        slots = torch.tensor([0, size - 1, size, 2 * size - 1, 2 * size, 3 * size - 1])[torch.tensor([3, 0, 5, 1, 4, 2])]
+        values = randn(len(slots), *spec.entry_shape, seed=size, dtype=dtype)
+        cache.write(slots, values)
+        check.equal(cache.gather(slots), values, what=f"round trip at block size {size}")
