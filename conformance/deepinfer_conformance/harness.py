@@ -80,9 +80,15 @@ class Check:
         dtype: torch.dtype,
         reduce_dim: int = 1,
         what: str = "output",
+        magnitude: float = 0.0,
     ) -> None:
-        """Assert actual ≈ expected within the dtype's tolerance (scaled for a reduction of reduce_dim)."""
+        """Assert actual ≈ expected within the dtype's tolerance (scaled for a reduction of reduce_dim).
+
+        magnitude: the largest |input| an output is a weighted average of (e.g. attention values); a
+        kernel may round its weights to `dtype`, so the absolute tolerance is at least one ulp of it.
+        """
         rtol, atol = tolerance(dtype, reduce_dim)
+        atol = max(atol, torch.finfo(dtype).eps * magnitude)
         self._measure(actual, expected)
         self.tolerance = {"rtol": rtol, "atol": atol}
         self._record(max_abs_err=self.max_abs, max_rel_err=self.max_rel, tolerance=self.tolerance)

@@ -13,7 +13,7 @@ from deepinfer_core.kv.layout import CacheKind, CacheSpec, paged_slots, ring_slo
 DTYPES = [torch.float32, torch.bfloat16]
 KINDS = list(CacheKind)
 
-# Units allocated per kind: blocks (PAGED) or sequence slots (SLIDING_WINDOW, SEQUENCE_STATE).
+# Units test_round_trip allocates per kind: blocks (PAGED) or sequence slots (SLIDING_WINDOW, SEQUENCE_STATE).
 UNITS = {CacheKind.PAGED: 9, CacheKind.SLIDING_WINDOW: 5, CacheKind.SEQUENCE_STATE: 7}
 
 
@@ -43,8 +43,10 @@ def kv_dtype_backend(suite, dtype: torch.dtype, kind: CacheKind):
         pytest.skip(f"{suite.under_test.name} does not declare cache kind {kind.value}")
     name = str(dtype).removeprefix("torch.")
     if suite.capabilities.kv_dtypes and name not in suite.capabilities.kv_dtypes:
-        pytest.skip(f"{suite.under_test.name} does not store KV in {name} "
-                    f"(it declares {', '.join(suite.capabilities.kv_dtypes)})")
+        pytest.skip(
+            f"{suite.under_test.name} does not store KV in {name} "
+            f"(it declares {', '.join(suite.capabilities.kv_dtypes)})"
+        )
     return suite.pair(dtype)
 
 
@@ -71,8 +73,11 @@ def test_round_trip(suite, check, kind, dtype):
     cache = Cache(ours, spec, UNITS[kind])
     assert cache.tensor.device.type == ours.torch_device.type, f"cache on {cache.tensor.device}"
     everything = torch.arange(cache.size)
-    check.equal(cache.gather(everything), torch.zeros(cache.size, *spec.entry_shape, dtype=dtype),
-                what="freshly allocated cache (must be zeroed)")
+    check.equal(
+        cache.gather(everything),
+        torch.zeros(cache.size, *spec.entry_shape, dtype=dtype),
+        what="freshly allocated cache (must be zeroed)",
+    )
 
     # random distinct slots (about half of them), written in a random order, in two calls
     perm = torch.randperm(cache.size, generator=torch.Generator().manual_seed(1))
@@ -95,36 +100,48 @@ def test_round_trip(suite, check, kind, dtype):
     check.equal(cache.gather(everything), expected, what="whole cache after overwrite")
 
 
-def write_calls(kind: CacheKind, spec: CacheSpec, layout, seed: int) -> tuple[list[torch.Tensor], torch.Tensor]:
-    """The slot ids, in `layout`'s own slot numbering, of a realistic series of write calls, and the slots to
-    read back afterwards in canonical order. The calls store the same logical entries for any block size."""
+# PAGED writes of test_matches_reference: three sequences' prefills then two decode steps each. The logical
+# positions are the same for every block size; 127 + 2 decodes crosses the 128 boundary (a block boundary
+# for every block size dividing 128), 261 spans several blocks and ends mid-block.
+PAGED_LENGTHS = [261, 127, 7]
+DECODE_STEPS = 2
+
+
+def write_calls(kind: CacheKind, spec: CacheSpec, layout, seed: int):
+    """(units to allocate, slot ids of a realistic series of write calls, slots to read back afterwards in
+    canonical order), in `layout`'s own slot numbering; the same logical entries for any block size."""
     if kind is CacheKind.PAGED:
-        # three sequences in shuffled blocks: a prefill each, then two decode steps; the second sequence's
-        # decode crosses into a new block
         block_size = layout.block_size
-        lengths = [2 * block_size + 5, block_size - 1, 7]
-        needed = [math.ceil((n + 2) / block_size) for n in lengths]
-        order = torch.randperm(UNITS[kind], generator=torch.Generator().manual_seed(seed))
+        needed = [math.ceil((n + DECODE_STEPS) / block_size) for n in PAGED_LENGTHS]
+        units = sum(needed) + 3  # spare blocks, so the shuffled tables are not contiguous
+        order = torch.randperm(units, generator=torch.Generator().manual_seed(seed))
         ends = torch.tensor(needed).cumsum(0).tolist()
         tables = [order[end - count : end] for count, end in zip(needed, ends)]
-        calls = [paged_slots(tables[b], torch.arange(n), block_size) for b, n in enumerate(lengths)]
-        calls += [paged_slots(tables[b], torch.tensor([n + step]), block_size)
-                  for step in range(2) for b, n in enumerate(lengths)]
-        read = torch.cat([paged_slots(tables[b], torch.arange(n + 2), block_size) for b, n in enumerate(lengths)])
-        return calls, read
+        calls = [paged_slots(tables[b], torch.arange(n), block_size) for b, n in enumerate(PAGED_LENGTHS)]
+        calls += [
+            paged_slots(tables[b], torch.tensor([n + step]), block_size)
+            for step in range(DECODE_STEPS)
+            for b, n in enumerate(PAGED_LENGTHS)
+        ]
+        read = torch.cat(
+            [paged_slots(tables[b], torch.arange(n + DECODE_STEPS), block_size) for b, n in enumerate(PAGED_LENGTHS)]
+        )
+        return units, calls, read
     if kind is CacheKind.SLIDING_WINDOW:
         # each sequence slot has a ring of window + rollback slots; positions a ring_size apart share a slot,
         # so the third and fifth calls overwrite what the second and first wrote
         ring = spec.ring_size
-        calls = [ring_slots(0, torch.arange(40), ring),
-                 ring_slots(3, torch.arange(500, 500 + ring), ring),  # one full turn of the ring
-                 ring_slots(3, torch.arange(500 + ring, 510 + ring), ring),
-                 ring_slots(2, torch.tensor([1000]), ring),
-                 ring_slots(0, torch.arange(ring, ring + 5), ring)]
-        return calls, torch.arange(UNITS[kind] * ring)
+        calls = [
+            ring_slots(0, torch.arange(40), ring),
+            ring_slots(3, torch.arange(500, 500 + ring), ring),  # one full turn of the ring
+            ring_slots(3, torch.arange(500 + ring, 510 + ring), ring),
+            ring_slots(2, torch.tensor([1000]), ring),
+            ring_slots(0, torch.arange(ring, ring + 5), ring),
+        ]
+        return UNITS[kind], calls, torch.arange(UNITS[kind] * ring)  # the whole cache, unwritten slots too
     # one state per sequence slot, rewritten every step
     calls = [torch.tensor([4, 1, 6]), torch.tensor([1]), torch.tensor([0, 4])]
-    return calls, torch.arange(UNITS[kind])
+    return UNITS[kind], calls, torch.arange(UNITS[kind])
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -132,14 +149,25 @@ def write_calls(kind: CacheKind, spec: CacheSpec, layout, seed: int) -> tuple[li
 def test_matches_reference(suite, check, kind, dtype):
     ours, ref = kv_dtype_backend(suite, dtype, kind)
     spec = make_spec(kind, dtype)
-    canonical = []
-    for backend in (ours, ref):
-        cache = Cache(backend, spec, UNITS[kind])
-        calls, read = write_calls(kind, spec, backend.kv_layout, seed=5)
+    candidates = [ours]
+    if kind is CacheKind.PAGED:  # also at the backend's smallest block size: many blocks, other slot ids
+        candidates.append(suite.resolved(suite.under_test, dtype, min(suite.capabilities.block_sizes)))
+
+    def canonical(backend) -> torch.Tensor:
+        units, calls, read = write_calls(kind, spec, backend.kv_layout, seed=5)
+        cache = Cache(backend, spec, units)
         for i, slots in enumerate(calls):
             cache.write(slots, randn(len(slots), *spec.entry_shape, seed=100 + i, dtype=dtype))
-        canonical.append(cache.gather(read))
-    check.equal(canonical[0], canonical[1], what=f"canonical {kind.value} cache vs the reference's")
+        return cache.gather(read)
+
+    expected = canonical(ref)
+    for backend in candidates:
+        check.equal(
+            canonical(backend),
+            expected,
+            what=f"canonical {kind.value} cache (block size "
+            f"{backend.kv_layout.block_size}) vs the reference's (block size {ref.kv_layout.block_size})",
+        )
 
 
 def test_block_sizes(suite, check):
@@ -151,18 +179,27 @@ def test_block_sizes(suite, check):
     default = suite.resolved(suite.under_test, dtype).kv_layout.block_size
     assert default in caps.block_sizes, (
         f"{suite.under_test.name}'s layout uses {default}-token blocks, not among its declared block sizes "
-        f"{caps.block_sizes}")
-    check.metric(default_block_size=default, block_sizes=list(caps.block_sizes))
+        f"{caps.block_sizes}"
+    )
     if CacheKind.PAGED not in caps.cache_kinds:
+        check.metric(default_block_size=default, block_sizes=list(caps.block_sizes))
         return
     for size in caps.block_sizes:
         backend = suite.resolved(suite.under_test, dtype, size)
         assert backend.kv_layout.block_size == size, (
-            f"asked for {size}-token blocks, the layout has block_size {backend.kv_layout.block_size}")
+            f"asked for {size}-token blocks, the layout has block_size {backend.kv_layout.block_size}"
+        )
         spec = make_spec(CacheKind.PAGED, dtype)
         cache = Cache(backend, spec, 3)
-        # the edges of every block: first and last slot of blocks 0..2
-        slots = torch.tensor([0, size - 1, size, 2 * size - 1, 2 * size, 3 * size - 1])[torch.tensor([3, 0, 5, 1, 4, 2])]
+        # the first and last slot of each of blocks 0..2, in a shuffled order
+        slots = torch.tensor([2 * size - 1, 0, 3 * size - 1, size - 1, 2 * size, size])
         values = randn(len(slots), *spec.entry_shape, seed=size, dtype=dtype)
         cache.write(slots, values)
         check.equal(cache.gather(slots), values, what=f"round trip at block size {size}")
+    check.metric(
+        max_abs_err=check.max_abs,
+        max_rel_err=check.max_rel,
+        tolerance=check.tolerance,
+        default_block_size=default,
+        block_sizes=list(caps.block_sizes),
+    )
