@@ -2,6 +2,12 @@
 
 Model code is written once against `Ops` and `AttentionOps`; the reference backend's implementation is
 the executable definition of each op. Shapes: T = tokens in the step, H = query heads, D = hidden size.
+
+For every op: inputs may be non-contiguous views (the model passes slices); outputs are in the input's
+dtype (the router calls `linear` in float32 while the rest of the model runs in bfloat16); reductions
+accumulate in float32. Where the reference rounds an intermediate to the input dtype, a backend
+should too, or its bfloat16 results drift beyond the suite's tolerance: `silu_and_mul` rounds
+silu(gate) before the product, and `expert_ffn` rounds the gate/up GEMM output and the activation.
 """
 
 from __future__ import annotations
@@ -103,7 +109,7 @@ class Ops(Protocol):
         ...
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        """x [T, K] @ weight[N, K]^T (+ bias [N]) -> [T, N]."""
+        """x [..., K] @ weight[N, K]^T (+ bias [N]) -> [..., N] in x.dtype."""
         ...
 
     def head_linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -117,7 +123,12 @@ class Ops(Protocol):
     def moe_route(
         self, router_logits: torch.Tensor, config: RoutingConfig, correction_bias: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """router_logits [T, E] -> (weights [T, top_k] float32, expert ids [T, top_k] int64), per `config`."""
+        """router_logits [T, E] -> (weights [T, top_k] float32, expert ids [T, top_k] int64), per `config`.
+
+        `correction_bias` [E], when given, is added to the scores for choosing (any method) but not to
+        the weights; normalize divides by (sum + 1e-20). The order of the k experts and the breaking of
+        exact ties are free: the conformance suite compares the chosen set per token.
+        """
         ...
 
     def expert_ffn(

@@ -28,7 +28,9 @@ class Capabilities:
     cache_kinds: tuple[CacheKind, ...]
     block_sizes: tuple[int, ...] = (128,)  # paged-KV block sizes it accepts; the first is preferred
     kv_dtypes: tuple[str, ...] = ()  # KV-cache storage dtypes; empty means "the compute dtypes"
-    batch_invariant: bool = False  # logits of a request do not depend on the rest of the batch
+    # a request's logits are bitwise the same whatever else is in the batch, its position in it, and
+    # however its prompt was split into prefill chunks (the conformance suite checks all three)
+    batch_invariant: bool = False
     deterministic_sampling: bool = True  # counter-based seeded noise, identical to core's definition
     graph_capture: bool = False  # decode steps can be captured and replayed as a device graph
     async_scheduling: bool = False  # the engine may plan step N+1 while the device runs step N

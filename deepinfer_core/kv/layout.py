@@ -74,11 +74,11 @@ class KVLayout(Protocol):
         ...
 
     def write(self, cache: torch.Tensor, spec: CacheSpec, slots: torch.Tensor, values: torch.Tensor) -> None:
-        """Store `values` [N, *spec.entry_shape] at slot ids `slots` [N] (int64), in place."""
+        """Store `values` [N, *spec.entry_shape] at distinct slot ids `slots` [N] (int64), in place."""
         ...
 
     def gather(self, cache: torch.Tensor, spec: CacheSpec, slots: torch.Tensor) -> torch.Tensor:
-        """The canonical view: entries at `slots` [N] as a plain [N, *spec.entry_shape] tensor."""
+        """The canonical view: entries at `slots` [N] as a new [N, *spec.entry_shape] tensor (a copy)."""
         ...
 
 

@@ -2,11 +2,14 @@
 
 `TorchSampler` is the definition (plain tensor ops, any device) and the core default for backends
 that do not ship their own sampler kernels. Order of operations, per request:
-  1. logprobs are taken from the raw logits (before penalties and temperature), as vLLM does;
+  1. logprobs are taken from the logits the sampler receives (the model's, after any plugin logits
+     processors; before penalties and temperature), as vLLM's raw logprobs;
   2. penalties: repetition (prompt and output tokens: positive logits divided, negative multiplied),
      then frequency (x count in output) and presence (once if in output) subtracted;
   3. temperature 0 -> argmax of the penalized logits; otherwise logits / temperature, then
-     top-k, then top-p on the top-k-renormalized distribution, then min-p (p >= min_p * max p);
+     top-k, then top-p on the top-k-renormalized distribution p (a token stays while the mass of
+     strictly better-ranked tokens is < top_p, so the best always stays), then min-p on that same p
+     (p >= min_p * max p); ties in the ranking follow torch.sort's order (descending, by value);
   4. token = argmax(filtered logits + gumbel_noise(seed, step, token id)).
 """
 

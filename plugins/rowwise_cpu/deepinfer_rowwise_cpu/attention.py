@@ -12,7 +12,6 @@ import torch
 
 from deepinfer_core.backend.ops import AttentionMetadata
 from deepinfer_core.kv.layout import CacheKind, CacheSpec
-
 from deepinfer_rowwise_cpu.kernels import fresh_row
 from deepinfer_rowwise_cpu.kv import HeadMajorKVLayout
 

@@ -4,8 +4,10 @@ contract types of deepinfer_core.backend.
 Batch invariance by construction: every op loops over rows and gives each row a fresh, contiguous float32
 copy (same shape, same alignment, same kernel call whatever the batch), so a row's result is the same
 sequence of floating-point operations for any number of rows T. Matrix products are matrix-vector
-products (torch.mv / a bmm of fixed shape per row); reductions run over one row. Everything accumulates
-in float32 and is rounded once to the input dtype (moe_route returns float32 weights, as the contract says).
+products (torch.mv / a bmm of fixed shape per row); reductions run over one row. Each op computes in
+float32 and rounds to the input dtype where the reference does: once at the end, except silu_and_mul
+(silu(gate) is rounded before the product) and expert_ffn (rounded between its linear / silu_and_mul /
+linear steps). moe_route returns float32 weights, as the contract says.
 """
 
 from __future__ import annotations
@@ -23,9 +25,19 @@ def fresh_row(row: torch.Tensor) -> torch.Tensor:
     return out.copy_(row)
 
 
-def _silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """silu(gate) * up on float32 vectors [I]."""
-    return gate * torch.sigmoid(gate) * up
+def _matvec(w: torch.Tensor, row: torch.Tensor, dtype: torch.dtype, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """w [N, K] float32 @ row [K] (+ bias [N] float32) -> [N] in `dtype`: one matrix-vector product."""
+    y = torch.mv(w, fresh_row(row))
+    return (y if bias is None else y + bias).to(dtype)
+
+
+def _silu_and_mul_row(row: torch.Tensor) -> torch.Tensor:
+    """row [2I] = [gate | up] -> silu(gate) * up [I] in row.dtype. Like the reference, silu(gate) is rounded to
+    row.dtype before the product (a no-op in float32); each step computes in float32."""
+    r = fresh_row(row)
+    gate, up = r[: r.shape[0] // 2], r[r.shape[0] // 2 :]
+    silu = (gate * torch.sigmoid(gate)).to(row.dtype).float()
+    return (silu * up).to(row.dtype)
 
 
 class RowwiseOps:
@@ -68,8 +80,7 @@ class RowwiseOps:
         b = None if bias is None else bias.float()  # [N]
         out = torch.empty(rows.shape[0], w.shape[0], dtype=x.dtype, device=x.device)  # [T, N]
         for t in range(rows.shape[0]):
-            y = torch.mv(w, fresh_row(rows[t]))  # [N]: one matrix-vector product per row
-            out[t] = y if b is None else y + b
+            out[t] = _matvec(w, rows[t], x.dtype, b)  # [N]: one matrix-vector product per row
         return out.view(*x.shape[:-1], w.shape[0])
 
     def head_linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -85,8 +96,7 @@ class RowwiseOps:
         inner = rows.shape[1] // 2
         out = torch.empty(rows.shape[0], inner, dtype=x.dtype, device=x.device)  # [T, I]
         for t in range(rows.shape[0]):
-            r = fresh_row(rows[t])
-            out[t] = _silu_mul(r[:inner], r[inner:])
+            out[t] = _silu_and_mul_row(rows[t])
         return out.view(*x.shape[:-1], inner)
 
     def moe_route(
@@ -125,15 +135,16 @@ class RowwiseOps:
     def expert_ffn(
         self, x: torch.Tensor, tokens_per_expert: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor
     ) -> torch.Tensor:
+        # Row t of expert e is exactly linear(silu_and_mul(linear(x_t, w13[e])), w2[e]) of this table: the
+        # [2I] and [I] intermediates are rounded to x.dtype between the steps, as separate ops would.
         out = torch.empty_like(x)  # [N, D]
-        inner = w13.shape[1] // 2
         start = 0
         for expert, count in enumerate(tokens_per_expert.tolist()):
             if count:
                 w_in = w13[expert].float().contiguous()  # [2I, D]
                 w_out = w2[expert].float().contiguous()  # [D, I]
                 for t in range(start, start + count):
-                    h = torch.mv(w_in, fresh_row(x[t]))  # [2I]
-                    out[t] = torch.mv(w_out, _silu_mul(h[:inner], h[inner:]))  # [D]
+                    hidden = _silu_and_mul_row(_matvec(w_in, x[t], x.dtype))  # [I]
+                    out[t] = _matvec(w_out, hidden, x.dtype)  # [D]
             start += count
         return out

@@ -11,7 +11,6 @@ import torch
 
 from deepinfer_core.backend import API_VERSION, BackendInfo, Capabilities, DeviceFacts, ProbeResult, hookimpl
 from deepinfer_core.kv.layout import CacheKind
-
 from deepinfer_rowwise_cpu.attention import OnlineSoftmaxAttention
 from deepinfer_rowwise_cpu.cost import RowwiseCostModel
 from deepinfer_rowwise_cpu.kernels import RowwiseOps

@@ -13,7 +13,6 @@ import torch
 
 from deepinfer_core.sampling.noise import gumbel_noise
 from deepinfer_core.sampling.sampler import SampleOutput, SamplingBatch
-
 from deepinfer_rowwise_cpu.kernels import fresh_row
 
 __all__ = ["RowwiseSampler"]
