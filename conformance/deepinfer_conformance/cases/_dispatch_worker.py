@@ -59,8 +59,12 @@ def run_scenario(comm, scenario: dict, inp: dict, rank: int, world_size: int, de
     ids = row_expert_ids(d.tokens_per_expert.to(torch.int64), rank * (num_experts // world_size))
     elementwise = comm.combine(elementwise_expert(d.hidden, ids), d, topk_weights)
     linear = comm.combine(linear_expert(d.hidden, ids, scenario["weight"], scenario["bias"]), d, topk_weights)
-    return {"rows": d.hidden.cpu(), "tokens_per_expert": d.tokens_per_expert.cpu(),
-            "elementwise": elementwise.cpu(), "linear": linear.cpu()}
+    return {
+        "rows": d.hidden.cpu(),
+        "tokens_per_expert": d.tokens_per_expert.cpu(),
+        "elementwise": elementwise.cpu(),
+        "linear": linear.cpu(),
+    }
 
 
 # ---------------------------------------------------------------------------------------------
@@ -68,8 +72,14 @@ def run_scenario(comm, scenario: dict, inp: dict, rank: int, world_size: int, de
 # ---------------------------------------------------------------------------------------------
 
 
-def _make(seed: int, token_counts: list[int], top_k: int, unused: tuple[int, ...] = (),
-          dtype: torch.dtype = torch.float32, dim: int = 16) -> dict:
+def _make(
+    seed: int,
+    token_counts: list[int],
+    top_k: int,
+    unused: tuple[int, ...] = (),
+    dtype: torch.dtype = torch.float32,
+    dim: int = 16,
+) -> dict:
     gen = torch.Generator().manual_seed(seed)
     experts = torch.tensor([e for e in range(NUM_EXPERTS) if e not in unused], dtype=torch.int64)
     inputs, tag = [], 0
@@ -82,16 +92,25 @@ def _make(seed: int, token_counts: list[int], top_k: int, unused: tuple[int, ...
         tag += tokens
     weight = torch.randn(NUM_EXPERTS, dim, dim, generator=gen) / dim**0.5
     bias = torch.randn(NUM_EXPERTS, dim, generator=gen)
-    return {"num_experts": NUM_EXPERTS, "top_k": top_k, "unused_experts": list(unused), "dtype": dtype,
-            "inputs": inputs, "weight": weight.to(dtype), "bias": bias.to(dtype)}
+    return {
+        "num_experts": NUM_EXPERTS,
+        "top_k": top_k,
+        "unused_experts": list(unused),
+        "dtype": dtype,
+        "inputs": inputs,
+        "weight": weight.to(dtype),
+        "bias": bias.to(dtype),
+    }
 
 
 def scenarios(world_size: int) -> dict[str, dict]:
     """The same scenario names for every world size, run in this order. With 8 experts, rank r of W owns
     experts [r*8/W, (r+1)*8/W)."""
-    counts = {1: [[9], [23], [37], [0], [11]],
-              2: [[5, 9], [17, 3], [40, 25], [0, 7], [6, 4]],
-              4: [[4, 5, 6, 7], [9, 2, 5, 1], [30, 11, 1, 20], [3, 0, 11, 6], [2, 5, 3, 4]]}[world_size]
+    counts = {
+        1: [[9], [23], [37], [0], [11]],
+        2: [[5, 9], [17, 3], [40, 25], [0, 7], [6, 4]],
+        4: [[4, 5, 6, 7], [9, 2, 5, 1], [30, 11, 1, 20], [3, 0, 11, 6], [2, 5, 3, 4]],
+    }[world_size]
     base = 100 * world_size
     return {
         "top1": _make(base + 1, counts[0], 1),
@@ -124,8 +143,13 @@ def worker_main(argv: list[str]) -> None:
     try:
         spec = torch.load(in_path, weights_only=False)
         log("joining the gloo group")
-        dist.init_process_group("gloo", init_method=init_file.as_uri(), rank=rank, world_size=world_size,
-                                timeout=timedelta(seconds=GLOO_TIMEOUT_S))
+        dist.init_process_group(
+            "gloo",
+            init_method=init_file.as_uri(),
+            rank=rank,
+            world_size=world_size,
+            timeout=timedelta(seconds=GLOO_TIMEOUT_S),
+        )
         log("joined")
         from deepinfer_core.backend.registry import discover
         from deepinfer_core.backend.resolve import resolve_backend

@@ -79,14 +79,18 @@ def _run_in_process(suite, scenarios: dict) -> list[dict]:
 def _require_gloo_world(suite) -> None:
     name, caps = suite.under_test.name, suite.capabilities
     if GLOO not in caps.communicators:
-        pytest.skip(f"{name} does not list {GLOO!r} in Capabilities.communicators (it lists "
-                    f"{', '.join(caps.communicators) or 'none'}); multi-process dispatch is tested over gloo")
+        pytest.skip(
+            f"{name} does not list {GLOO!r} in Capabilities.communicators (it lists "
+            f"{', '.join(caps.communicators) or 'none'}); multi-process dispatch is tested over gloo"
+        )
     if not torch.distributed.is_available():
         pytest.skip("this torch build has no torch.distributed")
     device = suite.resolved(suite.under_test, _resolve_dtype(suite)).device.torch_device
     if torch.device(device).type != "cpu":
-        pytest.skip(f"{name} runs on {device!r}, not cpu; multi-process dispatch is tested only in gloo worlds "
-                    f"of CPU processes for now")
+        pytest.skip(
+            f"{name} runs on {device!r}, not cpu; multi-process dispatch is tested only in gloo worlds "
+            f"of CPU processes for now"
+        )
 
 
 def _logs(work_dir: Path, world_size: int) -> str:
@@ -114,8 +118,15 @@ def _run_world(suite, world_size: int, scenarios: dict, work_dir: Path) -> list[
         for rank in range(world_size):
             log = open(work_dir / f"rank{rank}.log", "wb")  # noqa: SIM115 - closed below
             logs.append(log)
-            cmd = [sys.executable, str(WORKER_PATH), str(rank), str(world_size), str(init_file), str(in_path),
-                   str(work_dir)]
+            cmd = [
+                sys.executable,
+                str(WORKER_PATH),
+                str(rank),
+                str(world_size),
+                str(init_file),
+                str(in_path),
+                str(work_dir),
+            ]
             procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env))
         for proc in procs:
             proc.wait(timeout=max(0.1, deadline - time.monotonic()))
@@ -130,8 +141,10 @@ def _run_world(suite, world_size: int, scenarios: dict, work_dir: Path) -> list[
         for log in logs:
             log.close()
     if timed_out:
-        pytest.fail(f"gloo world of {world_size} ranks did not finish in {WORLD_TIMEOUT_S:.0f}s; killed the ranks "
-                    f"still running ({', '.join(map(str, killed))}):\n" + _logs(work_dir, world_size))
+        pytest.fail(
+            f"gloo world of {world_size} ranks did not finish in {WORLD_TIMEOUT_S:.0f}s; killed the ranks "
+            f"still running ({', '.join(map(str, killed))}):\n" + _logs(work_dir, world_size)
+        )
     results = []
     for rank, proc in enumerate(procs):
         path = work_dir / f"rank{rank}.pt"
@@ -167,8 +180,9 @@ def _scenario(world, name: str):
             summary.append(f"rank {rank}: {res[name]['error'].strip().splitlines()[-1][:160]}")
             details.append(f"--- rank {rank} ---\n{res[name]['error']}")
     if summary:  # every rank's story: one rank's failure often shows on its peers as a closed connection
-        pytest.fail(f"scenario {name!r} failed in the world of {world_size}: " + "; ".join(summary) + "\n"
-                    + "\n".join(details))
+        pytest.fail(
+            f"scenario {name!r} failed in the world of {world_size}: " + "; ".join(summary) + "\n" + "\n".join(details)
+        )
     return world_size, scenarios[name], [res[name] for res in results]
 
 
@@ -190,8 +204,11 @@ def _by_tag(rows: torch.Tensor) -> torch.Tensor:
 
 def test_communicator_rank_and_world_size(world, check):
     world_size, _, results = world
-    check.metric(communicator=results[0]["communicator"], world_size=world_size,
-                 world_seconds=round(results[0].get("world_seconds", 0.0), 2))
+    check.metric(
+        communicator=results[0]["communicator"],
+        world_size=world_size,
+        world_seconds=round(results[0].get("world_seconds", 0.0), 2),
+    )
     got = [(res["rank"], res["world_size"]) for res in results]
     assert got == [(r, world_size) for r in range(world_size)], f"(rank, world_size) per rank: {got}"
     for rank, res in enumerate(results):
@@ -224,11 +241,14 @@ def test_dispatch_delivers_rows_of_local_experts(world, check, name):
 def test_combine_elementwise_experts_bitwise(world, check, name):
     _, scenario, per_rank = _scenario(world, name)
     got = [res["elementwise"] for res in per_rank]
-    want = [_reference(scenario["inputs"][rank], scenario["num_experts"], W.elementwise_expert)
-            for rank in range(len(per_rank))]
+    want = [
+        _reference(scenario["inputs"][rank], scenario["num_experts"], W.elementwise_expert)
+        for rank in range(len(per_rank))
+    ]
     for rank, (g, w) in enumerate(zip(got, want)):
-        assert g.shape == w.shape and g.dtype == w.dtype, \
+        assert g.shape == w.shape and g.dtype == w.dtype, (
             f"rank {rank}: combined {tuple(g.shape)}/{g.dtype}, expected {tuple(w.shape)}/{w.dtype}"
+        )
     check.equal(torch.cat(got), torch.cat(want), what="combined output of every rank")
 
 
@@ -240,7 +260,8 @@ def test_combine_linear_experts(world, check, name):
         return W.linear_expert(rows, ids, scenario["weight"], scenario["bias"])
 
     got = torch.cat([res["linear"] for res in per_rank])
-    want = torch.cat([_reference(scenario["inputs"][rank], scenario["num_experts"], linear)
-                      for rank in range(len(per_rank))])
+    want = torch.cat(
+        [_reference(scenario["inputs"][rank], scenario["num_experts"], linear) for rank in range(len(per_rank))]
+    )
     dim = want.shape[1]
     check.close(got, want, scenario["dtype"], reduce_dim=dim, what="combined output of every rank")

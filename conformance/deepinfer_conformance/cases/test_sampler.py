@@ -38,13 +38,18 @@ def samplers(suite):
 def sample(backend, logits: torch.Tensor, params, seeds, prompts=None, outputs=None, num_logprobs=None):
     """One call of `backend`'s sampler with the inputs on its device; the outputs come back on CPU."""
     rows = len(params)
-    batch = SamplingBatch.build(params, seeds, prompts or [[]] * rows, outputs or [[]] * rows,
-                                device=backend.torch_device)
+    batch = SamplingBatch.build(
+        params, seeds, prompts or [[]] * rows, outputs or [[]] * rows, device=backend.torch_device
+    )
     if num_logprobs is not None:
         batch = dataclasses.replace(batch, num_logprobs=num_logprobs)
     out = backend.sampler.sample(logits.to(backend.torch_device), batch)
-    return SimpleNamespace(token_ids=out.token_ids.cpu(), logprobs=out.logprobs.cpu(),
-                           top_token_ids=out.top_token_ids.cpu(), top_logprobs=out.top_logprobs.cpu())
+    return SimpleNamespace(
+        token_ids=out.token_ids.cpu(),
+        logprobs=out.logprobs.cpu(),
+        top_token_ids=out.top_token_ids.cpu(),
+        top_logprobs=out.top_logprobs.cpu(),
+    )
 
 
 def spread_seeds(count: int, salt: int = 0) -> list[int]:
@@ -133,14 +138,23 @@ def test_sampling_distribution(suite, check, name):
     outside = int(counts[~allowed].sum())
     statistic, df = chi_square(counts[allowed], DRAWS * probs[allowed])
     critical = chi_square_critical(df) if df > 0 else 0.0
-    check.metric(chi_square=round(statistic, 3), df=df, critical_p001=round(critical, 3), draws=DRAWS,
-                 allowed_tokens=int(allowed.sum()), draws_outside_allowed=outside)
-    assert outside == 0, (f"{outside} of {DRAWS} draws are tokens the filters exclude "
-                          f"(per token: {counts.tolist()}; allowed: {allowed.nonzero().flatten().tolist()})")
+    check.metric(
+        chi_square=round(statistic, 3),
+        df=df,
+        critical_p001=round(critical, 3),
+        draws=DRAWS,
+        allowed_tokens=int(allowed.sum()),
+        draws_outside_allowed=outside,
+    )
+    assert outside == 0, (
+        f"{outside} of {DRAWS} draws are tokens the filters exclude "
+        f"(per token: {counts.tolist()}; allowed: {allowed.nonzero().flatten().tolist()})"
+    )
     assert statistic <= critical, (
         f"token frequencies do not follow the expected distribution: chi-square {statistic:.1f} > {critical:.1f} "
         f"(df {df}, p=0.001). observed {counts.tolist()}, expected "
-        f"{[round(x, 1) for x in (DRAWS * probs).tolist()]}")
+        f"{[round(x, 1) for x in (DRAWS * probs).tolist()]}"
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -228,8 +242,10 @@ def test_greedy_is_argmax(suite, check, layout):
 
 def test_tokens_match_reference(suite, check):
     if not suite.capabilities.deterministic_sampling:
-        pytest.skip(f"{suite.under_test.name} does not claim deterministic sampling "
-                    f"(Capabilities.deterministic_sampling is False), so its draws need not equal the reference's")
+        pytest.skip(
+            f"{suite.under_test.name} does not claim deterministic sampling "
+            f"(Capabilities.deterministic_sampling is False), so its draws need not equal the reference's"
+        )
     ours, ref = samplers(suite)
     rows = 300
     params, prompts, outputs = mixed_rows(rows, seed=25)
@@ -241,14 +257,25 @@ def test_tokens_match_reference(suite, check):
     got = sample(ours, logits, params, seeds, prompts, outputs).token_ids
     # counter-based noise makes a row's token independent of the rest of the batch: reversed batch, same tokens
     rev = list(range(rows - 1, -1, -1))
-    got_reversed = sample(ours, logits[rev], [params[i] for i in rev], [seeds[i] for i in rev],
-                          [prompts[i] for i in rev], [outputs[i] for i in rev]).token_ids
+    got_reversed = sample(
+        ours,
+        logits[rev],
+        [params[i] for i in rev],
+        [seeds[i] for i in rev],
+        [prompts[i] for i in rev],
+        [outputs[i] for i in rev],
+    ).token_ids
     try:
         check.equal(got, expected, what="sampled tokens vs reference")
         check.equal(got_reversed, expected[rev], what="sampled tokens of the reversed batch vs reference")
     finally:  # the agreement rate goes into the report next to the exactness record, pass or fail
-        check.metric(max_abs_err=check.max_abs, max_rel_err=check.max_rel, tolerance=check.tolerance, rows=rows,
-                     token_agreement=float((got == expected).double().mean()))
+        check.metric(
+            max_abs_err=check.max_abs,
+            max_rel_err=check.max_rel,
+            tolerance=check.tolerance,
+            rows=rows,
+            token_agreement=float((got == expected).double().mean()),
+        )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -263,8 +290,15 @@ def test_logprobs_match_reference(suite, check, num_logprobs):
     logits = randn(rows, vocab, seed=27, scale=3.0)
     logits[0] *= 20.0  # large logits: log-softmax must subtract the max
     logits[1] = logits[1] * 0.01 - 5.0  # nearly flat and far from zero
-    params = [SamplingParams(temperature=[0.0, 1.0, 0.7][i % 3], top_k=[0, 30][i % 2], logprobs=num_logprobs,
-                             repetition_penalty=1.2 if i % 5 == 0 else 1.0) for i in range(rows)]
+    params = [
+        SamplingParams(
+            temperature=[0.0, 1.0, 0.7][i % 3],
+            top_k=[0, 30][i % 2],
+            logprobs=num_logprobs,
+            repetition_penalty=1.2 if i % 5 == 0 else 1.0,
+        )
+        for i in range(rows)
+    ]
     gen = torch.Generator().manual_seed(28)
     prompts = [torch.randint(0, vocab, (8,), generator=gen).tolist() for _ in range(rows)]
     outputs = [torch.randint(0, vocab, (i % 6,), generator=gen).tolist() for i in range(rows)]
@@ -276,20 +310,39 @@ def test_logprobs_match_reference(suite, check, num_logprobs):
     table = torch.empty(rows, vocab).scatter_(1, full.top_token_ids, full.top_logprobs)
     expected_top = sample(ref, logits, params, seeds, prompts, outputs)
 
-    for field, shape, dtype in (("logprobs", (rows,), torch.float32),
-                                ("top_token_ids", (rows, num_logprobs), torch.int64),
-                                ("top_logprobs", (rows, num_logprobs), torch.float32)):
+    for field, shape, dtype in (
+        ("logprobs", (rows,), torch.float32),
+        ("top_token_ids", (rows, num_logprobs), torch.int64),
+        ("top_logprobs", (rows, num_logprobs), torch.float32),
+    ):
         value = getattr(got, field)
-        assert value.shape == shape and value.dtype == dtype, \
+        assert value.shape == shape and value.dtype == dtype, (
             f"{field}: {tuple(value.shape)}/{value.dtype}, expected {shape}/{dtype}"
+        )
     # logprobs are of the raw logits (before penalties and temperature), for whichever token was chosen
-    check.close(got.logprobs, table.gather(1, got.token_ids[:, None]).squeeze(1), torch.float32, reduce_dim=vocab,
-                what="logprob of the chosen token")
+    check.close(
+        got.logprobs,
+        table.gather(1, got.token_ids[:, None]).squeeze(1),
+        torch.float32,
+        reduce_dim=vocab,
+        what="logprob of the chosen token",
+    )
     if num_logprobs:
-        check.close(got.top_logprobs, expected_top.top_logprobs, torch.float32, reduce_dim=vocab,
-                    what="top logprobs (values, best first)")
+        check.close(
+            got.top_logprobs,
+            expected_top.top_logprobs,
+            torch.float32,
+            reduce_dim=vocab,
+            what="top logprobs (values, best first)",
+        )
         # ids may legitimately differ on exact ties, so each id is checked to carry its own logprob
-        check.close(table.gather(1, got.top_token_ids), got.top_logprobs, torch.float32, reduce_dim=vocab,
-                    what="top logprobs (reference logprob of each returned id)")
-        assert all(row.unique().numel() == num_logprobs for row in got.top_token_ids), \
+        check.close(
+            table.gather(1, got.top_token_ids),
+            got.top_logprobs,
+            torch.float32,
+            reduce_dim=vocab,
+            what="top logprobs (reference logprob of each returned id)",
+        )
+        assert all(row.unique().numel() == num_logprobs for row in got.top_token_ids), (
             "a row's top_token_ids repeat a token"
+        )
