@@ -37,6 +37,8 @@ def test_a_nonconformant_backend_fails_and_the_report_names_the_cases(run_cli, i
     failed = cases(report, "failed")
     assert any(name.startswith("ops::test_rms_norm") for name in failed), list(failed)
     assert any(name.startswith("ops::test_linear") for name in failed), list(failed)
+    variance = [c for name, c in failed.items() if name.startswith("batch_invariance::")]
+    assert variance and all("batch invariance violated" in c["reason"] for c in variance)  # held to its claim
     assert all(c["reason"] for c in failed.values())  # every failure carries its error
     assert "Tensor-likes are not close" in next(c for n, c in failed.items() if "rms_norm" in n)["reason"]
     assert "failed" in result.stdout and "nonconformant" in json.dumps(report["backend"])
