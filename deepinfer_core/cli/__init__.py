@@ -8,7 +8,7 @@ import sys
 
 from deepinfer_core import __version__
 from deepinfer_core.backend.hookspecs import API_VERSION
-from deepinfer_core.cli import backends, conformance, generate
+from deepinfer_core.cli import backends, conformance, generate, serve
 from deepinfer_core.errors import DeepInferError
 
 __all__ = ["main"]
@@ -21,6 +21,7 @@ def _parser() -> argparse.ArgumentParser:
     backends.add_parser(commands)
     generate.add_parser(commands)
     conformance.add_parser(commands)
+    serve.add_parser(commands)
     return parser
 
 

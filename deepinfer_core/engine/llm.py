@@ -65,12 +65,13 @@ class LLM:
                 "deterministic RANDOM weights; its output is meaningless)"
             )
             self.model = demo_model(self.backend)
-            self.tokenizer = Tokenizer.from_dir(demo_tokenizer_dir())
+            self.tokenizer_dir: Path | None = demo_tokenizer_dir()
         else:
             path = Path(model)
             self.model_name = path.name
             self.model = load_model(path, self.backend, model_registry(discovery.plugin_manager), progress)
-            self.tokenizer = Tokenizer.from_dir(path)
+            self.tokenizer_dir = path if (path / "tokenizer.json").is_file() else None
+        self.tokenizer = Tokenizer.from_dir(self.tokenizer_dir) if self.tokenizer_dir else None
         hook = discovery.plugin_manager.hook
         processors = [p for found in hook.deepinfer_logits_processors(model_name=self.model_name) for p in found]
         observers = [o for found in hook.deepinfer_observers() for o in found]

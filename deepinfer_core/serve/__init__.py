@@ -1,0 +1,1 @@
+"""The HTTP server: OpenAI Chat Completions, Completions, Responses and Anthropic Messages."""
