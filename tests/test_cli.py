@@ -78,3 +78,8 @@ def test_selecting_a_broken_backend_is_a_clean_error(run_cli, install_distributi
         ["backends", "--select", "--accelerator", "old_contract"], site=install_distributions("test_broken")
     )
     assert_clean_error(result, "installed but failed to load", "contract version 999")
+
+
+def test_serve_on_an_unavailable_accelerator_fails_cleanly(run_cli):
+    result = run_cli(["serve", "--port", "0"], env={"DEEPINFER_ACCELERATOR": "ascend"})
+    assert_clean_error(result, "ascend950 is not available", "torch_npu is not installed", "Available here: cpu")
