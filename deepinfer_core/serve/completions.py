@@ -132,9 +132,12 @@ async def run_completions(state: ServerState, body: dict):
         raise
 
     async def all_outputs():
-        yield first
-        async for output in outputs:
-            yield output
+        try:
+            yield first
+            async for output in outputs:
+                yield output
+        finally:  # a client that went away: abort now, not when the generator is collected
+            await outputs.aclose()
 
     def usage_of(output) -> dict:
         generated = len(output.outputs[0].token_ids)

@@ -107,8 +107,9 @@ async def _protocol_chunks(
     metrics, started, last = state.metrics, time.monotonic(), None
     done = False
     metrics.prompt_tokens.inc(len(prepared.prompt_ids))
+    outputs = state.engine.generate(request_id, prepared.prompt_ids, prepared.params)
     try:
-        async for output in state.engine.generate(request_id, prepared.prompt_ids, prepared.params):
+        async for output in outputs:
             now = time.monotonic()
             if last is None:
                 metrics.ttft.observe(now - started)
@@ -131,6 +132,7 @@ async def _protocol_chunks(
                     yield chunk
                 done = True
     finally:
+        await outputs.aclose()  # aborts the request if it did not finish
         if not done:
             processor.close()
 
@@ -155,14 +157,20 @@ async def run_protocol(state: ServerState, protocol: Protocol, body: dict):
     if prepared.conv.stream:
 
         async def sse() -> AsyncIterator[str]:
-            yield _sse(protocol, first)
-            async for chunk in chunks:
-                yield _sse(protocol, chunk)
-            if (done := protocol.response_cls.sse_done_data()) is not None:
-                yield f"data: {done}\n\n"
+            try:
+                yield _sse(protocol, first)
+                async for chunk in chunks:
+                    yield _sse(protocol, chunk)
+                if (done := protocol.response_cls.sse_done_data()) is not None:
+                    yield f"data: {done}\n\n"
+            finally:  # a client that went away: abort now, not when the generator is collected
+                await chunks.aclose()
 
         return "stream", sse()
-    collected = [first] + [chunk async for chunk in chunks]
+    try:
+        collected = [first] + [chunk async for chunk in chunks]
+    finally:
+        await chunks.aclose()
     response = protocol.response_cls(
         request_id, state.served_model_name, int(time.time()), len(prepared.prompt_ids), usage.get("cached", 0)
     )
