@@ -6,6 +6,7 @@ an ApiError answered in the caller's protocol.
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
 import logging
@@ -64,6 +65,19 @@ async def _json_body(state: ServerState, request: Request) -> dict:
     return body
 
 
+async def _unless_disconnected(request: Request, work):
+    """Await `work`; if the client goes away first, cancel it (which aborts its engine request)."""
+    task = asyncio.ensure_future(work)
+    while True:
+        done, _ = await asyncio.wait({task}, timeout=0.25)
+        if done:
+            return task.result()
+        if await request.is_disconnected():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            raise ApiError(499, "client closed the request")
+
+
 def build_app(state: ServerState) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -80,7 +94,7 @@ def build_app(state: ServerState) -> FastAPI:
     async def handle(request: Request, endpoint: str, run) -> Response:
         try:
             _check_key(state, request)
-            kind, payload = await run(state, await _json_body(state, request))
+            kind, payload = await _unless_disconnected(request, run(state, await _json_body(state, request)))
         except ApiError as err:
             state.metrics.requests.labels(endpoint, str(err.status)).inc()
             raise
