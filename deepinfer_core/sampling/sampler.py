@@ -124,6 +124,8 @@ def filter_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     """Temperature-scaled logits with everything outside top-k / top-p / min-p set to -inf."""
     temperature = torch.where(batch.temperature > 0, batch.temperature, torch.ones_like(batch.temperature))
     scaled = logits / temperature[:, None]
+    if not bool((batch.top_k > 0).any() or (batch.top_p < 1).any() or (batch.min_p > 0).any()):
+        return scaled  # no filter asked for: skip the sort over the vocabulary
     vocab = scaled.shape[1]
     sorted_logits, order = scaled.sort(dim=1, descending=True)  # [B, V]
     ranks = torch.arange(vocab, device=scaled.device)[None, :]
