@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
 
 from deepinfer_core.backend.selection import ENV_VAR
@@ -80,13 +81,19 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     log.info(
         "listening on http://%s:%d (access %s)", args.host, args.port, "needs an API key" if state.api_key else "open"
     )
-    uvicorn.run(
-        build_app(state),
-        host=args.host,
-        port=args.port,
-        log_level="warning",
-        timeout_graceful_shutdown=args.shutdown_grace_period,
-    )
+    # uvicorn answers SIGTERM with a graceful shutdown, then raises it again for the handler that was in
+    # place before: with the default one, a clean stop would end in death by signal (status 143), not 0
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: None)
+    try:
+        uvicorn.run(
+            build_app(state),
+            host=args.host,
+            port=args.port,
+            log_level="warning",
+            timeout_graceful_shutdown=args.shutdown_grace_period,
+        )
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     log.info("server stopped")
     return 0
 

@@ -149,7 +149,9 @@ class Engine:
                 )
                 request.top_logprobs.append(dict(top))
             new_text = self._detokenize(request)
+            streamed = len(request.text) - len(new_text)  # text reported before this token
             self._check_stop(request, token)
+            new_text = request.text[streamed:]  # a stop string cuts the text: never report it, nor what follows
             if request.finished:
                 self._requests.pop(request.request_id, None)
                 self._detokenizers.pop(request.request_id, None)

@@ -60,8 +60,17 @@ async def _json_body(state: ServerState, request: Request) -> dict:
         body = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise ApiError(400, f"the request body is not valid JSON: {err}") from None
+    except RecursionError:
+        raise ApiError(400, "the request body is nested too deeply") from None
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
+    if b"\\u" in raw:  # an escaped lone surrogate (\ud800) parses, but is no text: it breaks encoders later
+        try:
+            json.dumps(body, ensure_ascii=False).encode()
+        except UnicodeEncodeError:
+            raise ApiError(400, "the request body is not valid JSON: a \\u escape is a lone surrogate") from None
+        except RecursionError:
+            raise ApiError(400, "the request body is nested too deeply") from None
     return body
 
 

@@ -77,18 +77,21 @@ def _parse(state: ServerState, body: dict) -> tuple[CompletionBody, list[int], S
             param="max_tokens",
         )
     stop = (request.stop,) if isinstance(request.stop, str) else tuple(request.stop or ())
-    params = SamplingParams(
-        temperature=request.temperature,
-        top_p=request.top_p,
-        top_k=request.top_k,
-        min_p=request.min_p,
-        presence_penalty=request.presence_penalty,
-        frequency_penalty=request.frequency_penalty,
-        seed=request.seed,
-        max_tokens=request.max_tokens,
-        stop=stop,
-        logprobs=request.logprobs,
-    )
+    try:
+        params = SamplingParams(
+            temperature=request.temperature,
+            top_p=request.top_p,
+            top_k=request.top_k,
+            min_p=request.min_p,
+            presence_penalty=request.presence_penalty,
+            frequency_penalty=request.frequency_penalty,
+            seed=request.seed,
+            max_tokens=request.max_tokens,
+            stop=stop,
+            logprobs=request.logprobs,
+        )
+    except ValueError as err:  # what the body's schema lets through (an empty stop string, a seed >= 2**64)
+        raise ApiError(400, str(err)) from None
     return request, ids, params
 
 

@@ -49,7 +49,7 @@ class _Prepared:
 def _prepare(state: ServerState, protocol: Protocol, body: dict, request_id: str) -> _Prepared:
     try:
         request = protocol.request_cls(body)
-    except (ValueError, TypeError) as err:
+    except (ValueError, TypeError, OverflowError, RecursionError) as err:  # an integer too big, nesting too deep
         raise ApiError(400, f"invalid request body: {err}") from None
     if request.model != state.served_model_name:
         raise ApiError(
@@ -126,6 +126,9 @@ async def _protocol_chunks(
             if (chunk_in := _token_chunk(output, state.eos_token_ids)) is not None:
                 for chunk in processor.push(chunk_in):
                     yield chunk
+            if processor.finished:  # it found a stop sequence and already ended the response
+                done = True
+                break
             if output.finished:
                 reason = _FINISH.get(output.outputs[0].finish_reason, dr.InferenceFinishReason.Stop)
                 for chunk in processor.push(dr.InferenceChunk.finish(reason)) + processor.finish():
