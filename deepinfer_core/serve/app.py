@@ -15,6 +15,7 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from deepinfer_core.engine.engine import RequestError
 from deepinfer_core.serve.async_engine import EngineFailure, Overloaded
@@ -41,7 +42,8 @@ def _check_key(state: ServerState, request: Request) -> None:
         if not given and request.headers.get("authorization", "").startswith("Bearer "):
             given = request.headers["authorization"].removeprefix("Bearer ")
     else:
-        given = request.headers.get("authorization", "").removeprefix("Bearer ")
+        header = request.headers.get("authorization", "")
+        given = header[len("Bearer ") :] if header.startswith("Bearer ") else ""
     if not hmac.compare_digest(given.encode(), state.api_key.encode()):
         header = "x-api-key" if _is_anthropic(request) else "Authorization: Bearer"
         raise ApiError(401, f"invalid or missing API key: send it in the {header} header", code="invalid_api_key")
@@ -99,6 +101,11 @@ def build_app(state: ServerState) -> FastAPI:
     @app.exception_handler(ApiError)
     async def api_error(request: Request, err: ApiError):
         return error_response(err, _is_anthropic(request))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, err: StarletteHTTPException):  # unknown path, wrong method
+        message = f"{request.method} {request.url.path}: {err.detail}"
+        return error_response(ApiError(err.status_code, message), _is_anthropic(request))
 
     async def handle(request: Request, endpoint: str, run) -> Response:
         try:

@@ -120,3 +120,16 @@ def test_refusals_are_counted_and_nothing_crashed(auth_server):
     assert counted['deepinfer_requests_total{endpoint="chat_completions",status="401"}'] > 0
     assert auth_server.server_errors() == {}
     auth_server.assert_no_tracebacks()
+
+
+def test_the_key_without_the_bearer_scheme_is_refused(raw):
+    for path, body in BODIES.items():
+        if path != "/v1/messages":
+            assert_401(raw.post(path, json=body, headers={"authorization": KEY}), path)
+
+
+def test_unknown_routes_answer_in_the_protocols_format(raw):
+    openai_style = raw.get("/v1/nope").json()
+    assert openai_style["error"]["type"] == "not_found_error" and "/v1/nope" in openai_style["error"]["message"]
+    anthropic_style = raw.get("/v1/messages").json()  # wrong method
+    assert anthropic_style["type"] == "error" and "Method Not Allowed" in anthropic_style["error"]["message"]

@@ -294,7 +294,7 @@ def test_no_body_gets_a_server_error(http, path):
 
 def test_server_healthy_after_fuzzing(server, http):
     if STATUSES:  # the fuzzing ran in this session: it must have produced generations as well as refusals
-        assert STATUSES[200] >= 20 and sum(n for status, n in STATUSES.items() if 400 <= status < 500) >= 100, STATUSES
+        assert STATUSES[200] >= 10 and sum(n for status, n in STATUSES.items() if 400 <= status < 500) >= 50, STATUSES
     assert http.get("/health").json() == {"status": "ok"}
     assert server.server_errors() == {}
     assert server.wait_idle() == (0, 0, 0)
