@@ -1,0 +1,121 @@
+"""A batch-invariant GEMM: C[b] = A[b] @ B[b]^T (+ bias) with one fixed tiling per weight shape.
+
+Every output element is reduced over K in the same order whatever M is: the tile sizes depend only
+on the dtype, and the K range is cut into a fixed number of splits chosen from (N, K) alone, whose
+float32 partial sums are added in split order by a second kernel. So a row's result does not depend
+on how many other rows share the call — unlike a library GEMM, which picks its algorithm by M.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from deepinfer_nvidia_sm100.kernels._common import INTERPRET, dot_in_float32, mma
+
+SM_COUNT_HINT = 132  # programs to aim for on one wave; H200 has 132 SMs (a fixed number: results must not vary by GPU)
+
+
+@triton.jit
+def _matmul_kernel(
+    a_ptr, b_ptr, bias_ptr, c_ptr, ws_ptr, M, N, K, K_PER_SPLIT,
+    sa_b, sa_m, sa_k, sb_b, sb_n, sb_k, sc_b, sc_m, sc_n,
+    HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, F32: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+):  # fmt: skip
+    pid, batch, split = tl.program_id(0), tl.program_id(1).to(tl.int64), tl.program_id(2)
+    num_n = tl.cdiv(N, BN)
+    rm = (pid // num_n) * BM + tl.arange(0, BM)
+    rn = (pid % num_n) * BN + tl.arange(0, BN)
+    rk = tl.arange(0, BK)
+    k_lo = split * K_PER_SPLIT
+    k_hi = tl.minimum(K, k_lo + K_PER_SPLIT)
+    a_rows = a_ptr + batch * sa_b + rm[:, None].to(tl.int64) * sa_m
+    b_cols = b_ptr + batch * sb_b + rn[None, :].to(tl.int64) * sb_n
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for k in range(k_lo, k_hi, BK):
+        ks = k + rk
+        a = tl.load(a_rows + ks[None, :] * sa_k, mask=(rm[:, None] < M) & (ks[None, :] < k_hi), other=0.0)
+        b = tl.load(b_cols + ks[:, None] * sb_k, mask=(rn[None, :] < N) & (ks[:, None] < k_hi), other=0.0)
+        acc = mma(a, b, acc, F32)
+    mask = (rm[:, None] < M) & (rn[None, :] < N)
+    if SPLIT_K == 1:
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+        c = c_ptr + batch * sc_b + rm[:, None] * sc_m + rn[None, :] * sc_n
+        tl.store(c, acc.to(c_ptr.dtype.element_ty), mask=mask)
+    else:
+        nb = tl.num_programs(1)
+        ws = ws_ptr + ((split * nb + batch) * M + rm[:, None]) * N + rn[None, :]
+        tl.store(ws, acc, mask=mask)
+
+
+@triton.jit
+def _split_sum_kernel(
+    ws_ptr, bias_ptr, c_ptr, M, N, sc_b, sc_m, sc_n,
+    HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    batch, nb = tl.program_id(1).to(tl.int64), tl.num_programs(1)
+    idx = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = idx < M * N
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for split in range(SPLIT_K):  # always in split order: the sum does not depend on M
+        acc += tl.load(ws_ptr + (split * nb + batch) * M * N + idx, mask=mask, other=0.0)
+    m, n = idx // N, idx % N
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + n, mask=mask, other=0.0).to(tl.float32)
+    tl.store(c_ptr + batch * sc_b + m * sc_m + n * sc_n, acc.to(c_ptr.dtype.element_ty), mask=mask)
+
+
+def _tiles(dtype: torch.dtype) -> tuple[int, int, int, int]:
+    """(BM, BN, BK, num_warps): depends on the dtype only, never on M."""
+    if INTERPRET:
+        return 16, 32, 32, 4
+    if dtype == torch.float32:
+        return 64, 64, 32, 4
+    return 64, 64, 64, 4
+
+
+def split_count(n: int, k: int, dtype: torch.dtype) -> int:
+    """K splits for an [N, K] weight: enough programs for one wave at small M; a function of (N, K) only."""
+    _, bn, bk, _ = _tiles(dtype)
+    n_tiles, k_tiles = triton.cdiv(n, bn), triton.cdiv(k, bk)
+    return max(1, min(8, SM_COUNT_HINT // n_tiles, k_tiles // 4))
+
+
+def batched_matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """a [G, M, K] @ b[G, N, K]^T (+ bias [N]) -> [G, M, N] in a.dtype, batch-invariant in M (any strides)."""
+    groups, m, k = a.shape
+    n = b.shape[1]
+    out = torch.empty((groups, m, n), dtype=a.dtype, device=a.device)
+    if m == 0 or n == 0:
+        return out
+    if k == 0:
+        return out.zero_() if bias is None else out.copy_(bias.expand_as(out))
+    bm, bn, bk, warps = _tiles(a.dtype)
+    splits = split_count(n, k, a.dtype)
+    k_per_split = triton.cdiv(triton.cdiv(k, bk), splits) * bk
+    workspace = torch.empty((splits, groups, m, n), dtype=torch.float32, device=a.device) if splits > 1 else out
+    stages = {} if INTERPRET else {"num_stages": 3}
+    grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn), groups, splits)
+    _matmul_kernel[grid](
+        a, b, bias if bias is not None else out, out, workspace, m, n, k, k_per_split,
+        *a.stride(), *b.stride(), *out.stride(),
+        HAS_BIAS=bias is not None and splits == 1, SPLIT_K=splits, F32=dot_in_float32(a.dtype),
+        BM=bm, BN=bn, BK=bk, num_warps=warps, **stages,
+    )  # fmt: skip
+    if splits > 1:
+        block = 1024
+        _split_sum_kernel[(triton.cdiv(m * n, block), groups)](
+            workspace, bias if bias is not None else out, out, m, n, *out.stride(),
+            HAS_BIAS=bias is not None, SPLIT_K=splits, BLOCK=block,
+        )  # fmt: skip
+    return out
+
+
+def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] @ weight [N, K]^T (+ bias) -> [..., N], batch-invariant in the leading dims."""
+    rows = x.reshape(-1, x.shape[-1])
+    out = batched_matmul(rows[None], weight[None], bias)[0]
+    return out.view(*x.shape[:-1], weight.shape[0])

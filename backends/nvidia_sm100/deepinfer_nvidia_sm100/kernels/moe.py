@@ -1,0 +1,119 @@
+"""Grouped expert GEMMs for `expert_ffn`: rows sorted by expert, one launch per GEMM for all experts.
+
+The row tiles of each expert are found inside the kernel from `tokens_per_expert` (a device tensor),
+so nothing is read back to the host and the launch is capturable in a device graph: the grid has
+cdiv(rows, BM) + E row tiles, an upper bound on the tiles the experts need, and the spare ones exit.
+The first GEMM fuses the SiLU-and-multiply epilogue (gate and up columns in one program); the second
+maps back to the hidden size. A row's result depends on its own row and expert only: batch-invariant.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from deepinfer_nvidia_sm100.kernels._common import INTERPRET, dot_in_float32, mma, next_pow2
+from deepinfer_nvidia_sm100.kernels.elementwise import silu_mul_rounded
+
+
+@triton.jit
+def _locate_tile(counts_ptr, E, pid_m, BE: tl.constexpr, BM: tl.constexpr):
+    """Row tile `pid_m` of the grid -> (expert, first row, end of that expert's rows); expert == E: spare."""
+    experts = tl.arange(0, BE)
+    counts = tl.load(counts_ptr + experts, mask=experts < E, other=0).to(tl.int32)
+    tiles = (counts + BM - 1) // BM
+    tile_end = tl.cumsum(tiles, axis=0)
+    row_end = tl.cumsum(counts, axis=0)
+    expert = tl.sum((tile_end <= pid_m).to(tl.int32), axis=0)
+    here = experts == expert
+    first_tile = tl.sum(tl.where(here, tile_end - tiles, 0), axis=0)
+    first_row = tl.sum(tl.where(here, row_end - counts, 0), axis=0)
+    last_row = tl.sum(tl.where(here, row_end, 0), axis=0)
+    return expert, first_row + (pid_m - first_tile) * BM, last_row
+
+
+@triton.jit
+def _gate_up_kernel(
+    x_ptr, w_ptr, counts_ptr, act_ptr, D, INNER, E, sx_m, sw_e, sw_n, sa_m,
+    F32: tl.constexpr, BE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+):  # fmt: skip
+    expert, row0, row_end = _locate_tile(counts_ptr, E, tl.program_id(0), BE, BM)
+    if expert >= E:
+        return
+    rm = row0 + tl.arange(0, BM)
+    rn = tl.program_id(1) * BN + tl.arange(0, BN)
+    rk = tl.arange(0, BK)
+    x_rows = x_ptr + rm[:, None].to(tl.int64) * sx_m
+    gate_cols = w_ptr + expert.to(tl.int64) * sw_e + rn[None, :].to(tl.int64) * sw_n
+    up_cols = gate_cols + INNER * sw_n
+    acc_gate = tl.zeros((BM, BN), dtype=tl.float32)
+    acc_up = tl.zeros((BM, BN), dtype=tl.float32)
+    for k in range(0, D, BK):
+        ks = k + rk
+        a = tl.load(x_rows + ks[None, :], mask=(rm[:, None] < row_end) & (ks[None, :] < D), other=0.0)
+        b_mask = (rn[None, :] < INNER) & (ks[:, None] < D)
+        acc_gate = mma(a, tl.load(gate_cols + ks[:, None], mask=b_mask, other=0.0), acc_gate, F32)
+        acc_up = mma(a, tl.load(up_cols + ks[:, None], mask=b_mask, other=0.0), acc_up, F32)
+    dtype = act_ptr.dtype.element_ty
+    act = silu_mul_rounded(acc_gate.to(dtype), acc_up.to(dtype), dtype)  # the GEMM output is rounded first
+    mask = (rm[:, None] < row_end) & (rn[None, :] < INNER)
+    tl.store(act_ptr + rm[:, None].to(tl.int64) * sa_m + rn[None, :], act, mask=mask)
+
+
+@triton.jit
+def _down_kernel(
+    a_ptr, w_ptr, counts_ptr, out_ptr, D, INNER, E, sa_m, sw_e, sw_n, so_m,
+    F32: tl.constexpr, BE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+):  # fmt: skip
+    expert, row0, row_end = _locate_tile(counts_ptr, E, tl.program_id(0), BE, BM)
+    if expert >= E:
+        return
+    rm = row0 + tl.arange(0, BM)
+    rn = tl.program_id(1) * BN + tl.arange(0, BN)
+    rk = tl.arange(0, BK)
+    a_rows = a_ptr + rm[:, None].to(tl.int64) * sa_m
+    w_cols = w_ptr + expert.to(tl.int64) * sw_e + rn[None, :].to(tl.int64) * sw_n
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for k in range(0, INNER, BK):
+        ks = k + rk
+        a = tl.load(a_rows + ks[None, :], mask=(rm[:, None] < row_end) & (ks[None, :] < INNER), other=0.0)
+        b = tl.load(w_cols + ks[:, None], mask=(rn[None, :] < D) & (ks[:, None] < INNER), other=0.0)
+        acc = mma(a, b, acc, F32)
+    mask = (rm[:, None] < row_end) & (rn[None, :] < D)
+    tl.store(out_ptr + rm[:, None].to(tl.int64) * so_m + rn[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _tiles(dtype: torch.dtype) -> tuple[int, int, int, int, int]:
+    """(BM, BN, BK, num_warps, num_stages), fixed per dtype so the result never depends on the batch."""
+    if INTERPRET:
+        return 16, 32, 32, 4, 1
+    if dtype == torch.float32:
+        return 64, 32, 32, 4, 2
+    return 64, 64, 64, 4, 4
+
+
+def expert_ffn(x: torch.Tensor, tokens_per_expert: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    """x [N, D] rows sorted by expert, tokens_per_expert [E], w13 [E, 2I, D], w2 [E, D, I] -> [N, D]."""
+    rows, hidden = x.shape
+    experts, inner = w13.shape[0], w2.shape[2]
+    out = torch.empty((rows, hidden), dtype=x.dtype, device=x.device)
+    if rows == 0:
+        return out
+    x, w13, w2 = x.contiguous(), w13.contiguous(), w2.contiguous()
+    act = torch.empty((rows, inner), dtype=x.dtype, device=x.device)
+    bm, bn, bk, warps, stages = _tiles(x.dtype)
+    row_tiles = triton.cdiv(rows, bm) + experts
+    common = dict(F32=dot_in_float32(x.dtype), BE=next_pow2(experts), BM=bm, BN=bn, BK=bk, num_warps=warps)
+    if not INTERPRET:
+        common["num_stages"] = stages
+    counts = tokens_per_expert.to(device=x.device)
+    _gate_up_kernel[(row_tiles, triton.cdiv(inner, bn))](
+        x, w13, counts, act, hidden, inner, experts, x.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
+        **common,
+    )
+    _down_kernel[(row_tiles, triton.cdiv(hidden, bn))](
+        act, w2, counts, out, hidden, inner, experts, act.stride(0), w2.stride(0), w2.stride(1), out.stride(0),
+        **common,
+    )
+    return out
