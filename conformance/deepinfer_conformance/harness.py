@@ -32,10 +32,14 @@ class Suite:
     reference: BackendEntry
     _resolved: dict = field(default_factory=dict)
 
-    def resolved(self, entry: BackendEntry, dtype: torch.dtype, block_size: int | None = None) -> ResolvedBackend:
-        key = (entry.name, dtype, block_size)
+    def resolved(
+        self, entry: BackendEntry, dtype: torch.dtype, block_size: int | None = None, batch_invariant: bool = False
+    ) -> ResolvedBackend:
+        key = (entry.name, dtype, block_size, batch_invariant)
         if key not in self._resolved:
-            self._resolved[key] = resolve_backend(entry, dtype=dtype, block_size=block_size)
+            self._resolved[key] = resolve_backend(
+                entry, dtype=dtype, block_size=block_size, batch_invariant=batch_invariant
+            )
         return self._resolved[key]
 
     def pair(self, dtype: torch.dtype, block_size: int | None = None) -> tuple[ResolvedBackend, ResolvedBackend]:

@@ -20,6 +20,7 @@ from deepinfer_core.backend.extensions import LogitsProcessor, ModelRegistry, Ob
 from deepinfer_core.backend.ops import AttentionOps, Ops
 from deepinfer_core.backend.types import BackendInfo, Capabilities, DeviceFacts, ProbeResult
 from deepinfer_core.engine.cost import CostModel
+from deepinfer_core.engine.graphs import GraphCapture
 from deepinfer_core.kv.layout import KVLayout
 from deepinfer_core.parallel.communicator import ExpertCommunicator
 from deepinfer_core.sampling.sampler import Sampler
@@ -83,11 +84,13 @@ class BackendSpec:
         """
 
     @hookspec(firstresult=True)
-    def deepinfer_backend_ops(self, device: DeviceFacts, dtype: torch.dtype) -> Ops:
+    def deepinfer_backend_ops(self, device: DeviceFacts, dtype: torch.dtype, batch_invariant: bool) -> Ops:
         """Return the op table (norm, rotary, linear, activation, MoE routing, grouped expert FFN).
 
-        Required. Args: the device from `deepinfer_backend_device` and the compute dtype (one of
-        Capabilities.dtypes). Called: once at engine build; model code then calls the table directly.
+        Required. Args: the device from `deepinfer_backend_device`, the compute dtype (one of
+        Capabilities.dtypes), and whether the engine runs in batch-invariant mode (asked only of
+        backends whose Capabilities.batch_invariant is True: then every op's result for a row must
+        not depend on the other rows). Called: once at engine build; model code then calls the table.
         """
 
     @hookspec(firstresult=True)
@@ -100,10 +103,13 @@ class BackendSpec:
         """
 
     @hookspec(firstresult=True)
-    def deepinfer_backend_attention(self, device: DeviceFacts, layout: KVLayout, dtype: torch.dtype) -> AttentionOps:
+    def deepinfer_backend_attention(
+        self, device: DeviceFacts, layout: KVLayout, dtype: torch.dtype, batch_invariant: bool
+    ) -> AttentionOps:
         """Return attention over the paged cache stored in `layout`'s format.
 
-        Required. Called: once at engine build, after `deepinfer_backend_kv_layout`.
+        Required. `batch_invariant` as for `deepinfer_backend_ops` (a query's result must also not
+        depend on how its prompt was chunked). Called: once at engine build, after the KV layout.
         """
 
     @hookspec(firstresult=True)
@@ -121,6 +127,14 @@ class BackendSpec:
         Optional; default: InProcessCommunicator for world_size 1, otherwise AllToAllCommunicator
         over torch.distributed's default process group (which the launcher has initialised).
         Called: once at engine build when the model has MoE layers.
+        """
+
+    @hookspec(firstresult=True)
+    def deepinfer_backend_graph_capture(self, device: DeviceFacts) -> GraphCapture:
+        """Return the device-graph capturer the engine replays decode steps with.
+
+        Optional; default: none, every step runs eagerly. Consulted only when
+        Capabilities.graph_capture is True. Called: once at engine build.
         """
 
     @hookspec(firstresult=True)

@@ -14,6 +14,7 @@ from deepinfer_core.backend.ops import AttentionOps, Ops
 from deepinfer_core.backend.registry import BackendEntry
 from deepinfer_core.backend.types import BackendInfo, Capabilities, DeviceFacts
 from deepinfer_core.engine.cost import CostModel
+from deepinfer_core.engine.graphs import GraphCapture
 from deepinfer_core.errors import BackendContractError, BackendSelectionError
 from deepinfer_core.kv.layout import KVLayout
 from deepinfer_core.parallel.communicator import ExpertCommunicator
@@ -34,6 +35,8 @@ class ResolvedBackend:
     sampler: Sampler
     communicator: ExpertCommunicator
     cost_model: CostModel
+    batch_invariant: bool = False  # ops and attention were built for batch-invariant mode
+    graphs: GraphCapture | None = None  # device-graph capture of decode steps, where the backend has it
 
     @property
     def torch_device(self) -> torch.device:
@@ -57,8 +60,13 @@ def resolve_backend(
     world_size: int = 1,
     rank: int = 0,
     block_size: int | None = None,
+    batch_invariant: bool = False,
 ) -> ResolvedBackend:
-    """Build everything an engine needs from `backend` for one device and compute dtype."""
+    """Build everything an engine needs from `backend` for one device and compute dtype.
+
+    batch_invariant: ask for ops whose per-request results do not depend on the rest of the batch
+    (an error if the backend's capabilities do not offer it).
+    """
     if not backend.available:
         raise BackendSelectionError(f"backend {backend.name} is not available: {backend.reason}")
     dtype_name = str(dtype).removeprefix("torch.")
@@ -69,6 +77,11 @@ def resolve_backend(
         sizes = ", ".join(map(str, backend.capabilities.block_sizes))
         raise BackendSelectionError(
             f"backend {backend.name} does not take {block_size}-token KV blocks; it takes {sizes}"
+        )
+    if batch_invariant and not backend.capabilities.batch_invariant:
+        raise BackendSelectionError(
+            f"backend {backend.name} has no batch-invariant mode (its capabilities say batch_invariant=False); "
+            f"run without --batch-invariant or pick a backend that offers it"
         )
     hook = backend.manager.hook
     device = _checked(
@@ -85,12 +98,19 @@ def resolve_backend(
         capabilities=backend.capabilities,
         device=device,
         dtype=dtype,
-        ops=_checked(backend, "deepinfer_backend_ops", hook.deepinfer_backend_ops(device=device, dtype=dtype), Ops),
+        ops=_checked(
+            backend,
+            "deepinfer_backend_ops",
+            hook.deepinfer_backend_ops(device=device, dtype=dtype, batch_invariant=batch_invariant),
+            Ops,
+        ),
         kv_layout=layout,
         attention=_checked(
             backend,
             "deepinfer_backend_attention",
-            hook.deepinfer_backend_attention(device=device, layout=layout, dtype=dtype),
+            hook.deepinfer_backend_attention(
+                device=device, layout=layout, dtype=dtype, batch_invariant=batch_invariant
+            ),
             AttentionOps,
         ),
         sampler=_checked(backend, "deepinfer_backend_sampler", hook.deepinfer_backend_sampler(device=device), Sampler),
@@ -106,4 +126,13 @@ def resolve_backend(
             hook.deepinfer_backend_cost_model(device=device, dtype=dtype),
             CostModel,
         ),
+        batch_invariant=batch_invariant,
+        graphs=_graph_capture(backend, device),
     )
+
+
+def _graph_capture(backend: BackendEntry, device: DeviceFacts) -> GraphCapture | None:
+    if not backend.capabilities.graph_capture:
+        return None
+    capture = backend.manager.hook.deepinfer_backend_graph_capture(device=device)
+    return None if capture is None else _checked(backend, "deepinfer_backend_graph_capture", capture, GraphCapture)

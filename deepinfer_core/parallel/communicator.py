@@ -61,7 +61,8 @@ class InProcessCommunicator:
         flat_ids = topk_ids.reshape(-1)  # [T*K]
         order = torch.argsort(flat_ids, stable=True)  # pair indices grouped by expert
         rows = hidden[order // topk_ids.shape[1]]  # [T*K, D]
-        counts = torch.bincount(flat_ids, minlength=num_experts)
+        counts = torch.zeros(num_experts, dtype=torch.int64, device=flat_ids.device)
+        counts.scatter_add_(0, flat_ids, torch.ones_like(flat_ids))  # not bincount: it reads its max on the host
         return Dispatched(rows, counts, order)
 
     def combine(self, expert_out: torch.Tensor, dispatched: Dispatched, topk_weights: torch.Tensor) -> torch.Tensor:

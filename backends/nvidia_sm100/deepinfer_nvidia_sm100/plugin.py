@@ -1,9 +1,8 @@
 """The `nvidia_sm100` backend's hooks.
 
 May import: torch and deepinfer_core at module import. CUDA APIs (torch.cuda) are touched only inside
-hooks; triton is located with find_spec by the probe and imported only by kernels, once selected.
-Kernels (ops, KV layout, attention) are not implemented yet, so the registry reports this backend as
-unavailable for that reason even on a GPU machine.
+hooks; triton is located with find_spec by the probe and imported (with the kernels) only by the
+engine-build hooks, once this backend is selected.
 """
 
 from __future__ import annotations
@@ -13,13 +12,11 @@ import os
 
 import torch
 
-from deepinfer_core.backend import API_VERSION, OP_NAMES, BackendInfo, Capabilities, DeviceFacts, ProbeResult, hookimpl
+from deepinfer_core.backend import API_VERSION, BackendInfo, Capabilities, DeviceFacts, ProbeResult, hookimpl
 from deepinfer_core.kv.layout import CacheKind
 
 DEEPINFER_API_VERSION = API_VERSION
 MIN_COMPUTE_CAPABILITY = (9, 0)  # SM90 (Hopper); SM100-only paths are gated separately
-
-_NOT_YET = "kernels are not implemented yet in this release of deepinfer-nvidia-sm100"
 
 
 @hookimpl
@@ -38,9 +35,16 @@ def deepinfer_backend_capabilities():
     return Capabilities(
         dtypes=("bfloat16", "float32"),
         cache_kinds=(CacheKind.PAGED,),
-        block_sizes=(128, 64),
+        block_sizes=(128, 64, 32, 16),
+        batch_invariant=True,  # on request: fixed-tiling Triton GEMMs replace cuBLAS (ops.NvidiaOps)
+        deterministic_sampling=True,
+        graph_capture=True,
+        async_scheduling=True,
         communicators=("in_process",),
-        unsupported=tuple((op, _NOT_YET) for op in OP_NAMES),
+        unsupported=(
+            ("sliding_window", "the V4 sliding-window ring cache is not implemented on this backend yet"),
+            ("sequence_state", "per-sequence state caches are not implemented on this backend yet"),
+        ),
     )
 
 
@@ -91,3 +95,31 @@ def deepinfer_backend_device(index):
     free, total = torch.cuda.mem_get_info(index)
     details = (("compute_capability", f"{props.major}.{props.minor}"), ("sms", str(props.multi_processor_count)))
     return DeviceFacts(props.name, f"cuda:{index}", total, free, details)
+
+
+@hookimpl
+def deepinfer_backend_ops(batch_invariant):
+    from deepinfer_nvidia_sm100.ops import NvidiaOps
+
+    return NvidiaOps(batch_invariant=batch_invariant)
+
+
+@hookimpl
+def deepinfer_backend_kv_layout(device, block_size):
+    from deepinfer_core.reference.kv import ReferenceKVLayout  # row per slot: the layout the kernels read
+
+    return ReferenceKVLayout(torch.device(device.torch_device), block_size or 128)
+
+
+@hookimpl
+def deepinfer_backend_attention(layout):
+    from deepinfer_nvidia_sm100.ops import NvidiaAttention
+
+    return NvidiaAttention(layout.block_size)
+
+
+@hookimpl
+def deepinfer_backend_graph_capture(device):
+    from deepinfer_nvidia_sm100.graphs import CudaGraphCapture
+
+    return CudaGraphCapture(torch.device(device.torch_device))

@@ -1,7 +1,8 @@
 """Bitwise batch invariance: a target request's tokens and top-20 logprobs must not change by a single bit
 with the rest of the batch (batch size, arrival order, prefill/decode mix, prefill chunking).
 
-Required only of backends that claim it (Capabilities.batch_invariant). A negative control always runs:
+Required only of backends that claim it (Capabilities.batch_invariant), which are resolved in their
+batch-invariant mode (`resolve_backend(batch_invariant=True)`). A negative control always runs:
 the same comparison over a deliberately batch-variant op table must report the variance.
 """
 
@@ -177,7 +178,8 @@ def test_batch_invariance(suite, check, tiny_v3, dtype, family):
     if not suite.capabilities.batch_invariant:
         pytest.skip(f"{suite.under_test.name} does not claim batch invariance")
     suite.require_dtype(dtype)
-    found, worst, total = compare(suite.resolved(suite.under_test, dtype), tiny_v3(32), family)
+    backend = suite.resolved(suite.under_test, dtype, batch_invariant=True)  # the mode it claims, asked for
+    found, worst, total = compare(backend, tiny_v3(32), family)
     check.metric(
         max_abs_err=worst,
         tolerance={"exact": True},

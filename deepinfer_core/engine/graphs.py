@@ -1,0 +1,112 @@
+"""Decode steps replayed from device graphs: the capture contract and the static inputs behind it.
+
+A decode step (one new token for each of B sequences) has the same shapes every time for a given B,
+so a backend that can capture device graphs runs it as one replay instead of hundreds of launches.
+`DecodeGraphs` pads B up to the next captured size, copies the step's inputs into static buffers
+(padding rows write and read a scratch cache block that no sequence owns) and replays the graph
+captured for that size, capturing it on first use.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Callable, Sequence
+from typing import Protocol, runtime_checkable
+
+import torch
+
+from deepinfer_core.backend.ops import AttentionMetadata
+
+__all__ = ["DecodeGraphs", "GraphCapture", "capture_sizes"]
+
+
+@runtime_checkable
+class GraphCapture(Protocol):
+    """A backend's device-graph capturer (hook `deepinfer_backend_graph_capture`)."""
+
+    def capture(self, step: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
+        """Warm `step` up, capture its device work into a graph and return `replay`, which re-runs that
+        work and returns the tensor `step` returned while captured (the same storage every replay).
+
+        `step` reads only tensors that outlive the capture and must not read device values on the host.
+        """
+        ...
+
+
+def capture_sizes(max_batch: int) -> list[int]:
+    """Padded batch sizes: 1, 2, 4, 8, then every multiple of 16 up to max_batch (and max_batch)."""
+    sizes = [s for s in (1, 2, 4, 8) if s < max_batch] + list(range(16, max_batch, 16))
+    return sorted(set(sizes + [max_batch]))
+
+
+class DecodeGraphs:
+    """Captured decode steps of `model` for padded batch sizes up to `max_batch`.
+
+    `run` takes a decode step's inputs (one query per sequence, every row sampled) and returns the
+    logits [B, V] float32 of the replayed graph (a view of static storage, valid until the next run).
+    """
+
+    def __init__(
+        self,
+        capture: GraphCapture,
+        model,
+        caches: Sequence[torch.Tensor],
+        *,
+        device: torch.device,
+        block_size: int,
+        max_batch: int,
+        max_blocks_per_seq: int,
+        scratch_block: int,
+    ) -> None:
+        self.capture, self.model, self.caches = capture, model, list(caches)
+        self.sizes = capture_sizes(max_batch)
+        self.max_batch = max_batch
+        self.max_blocks_per_seq = max_blocks_per_seq
+        longest = self.sizes[-1]
+
+        def zeros(*shape: int) -> torch.Tensor:
+            return torch.zeros(shape, dtype=torch.int64, device=device)
+
+        self._token_ids, self._positions, self._seq_lens = zeros(longest), zeros(longest), zeros(longest)
+        self._slots = zeros(longest)
+        self._block_tables = torch.full((longest, max_blocks_per_seq), -1, dtype=torch.int64, device=device)
+        self._query_start_loc = torch.arange(longest + 1, dtype=torch.int64, device=device)  # one query per row
+        # what a padding row holds: token 0 at position 0 of the scratch block, attending to itself
+        self._pad_block_row = torch.full((max_blocks_per_seq,), -1, dtype=torch.int64, device=device)
+        self._pad_block_row[0] = scratch_block
+        self._pad_slot = scratch_block * block_size
+        self._replays: dict[int, Callable[[], torch.Tensor]] = {}
+
+    def fits(self, num_seqs: int, block_table_width: int) -> bool:
+        return 0 < num_seqs <= self.max_batch and block_table_width <= self.max_blocks_per_seq
+
+    def run(self, token_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """token_ids, positions [B] and the step's metadata (q_len 1 per sequence) -> logits [B, V]."""
+        batch, width = meta.num_seqs, meta.block_tables.shape[1]
+        size = self.sizes[bisect.bisect_left(self.sizes, batch)]
+        self._token_ids[:batch].copy_(token_ids)
+        self._positions[:batch].copy_(positions)
+        self._seq_lens[:batch].copy_(meta.seq_lens)
+        self._slots[:batch].copy_(meta.slot_mapping)
+        self._block_tables[:batch, :width].copy_(meta.block_tables)
+        if size > batch:
+            self._token_ids[batch:size].zero_()
+            self._positions[batch:size].zero_()
+            self._seq_lens[batch:size].fill_(1)
+            self._slots[batch:size].fill_(self._pad_slot)
+            self._block_tables[batch:size].copy_(self._pad_block_row.expand(size - batch, -1))
+        replay = self._replays.get(size)
+        if replay is None:
+            replay = self._replays[size] = self.capture.capture(self._step(size))
+        return replay()[:batch]
+
+    def _step(self, size: int) -> Callable[[], torch.Tensor]:
+        meta = AttentionMetadata(
+            self._query_start_loc[: size + 1], self._seq_lens[:size], self._block_tables[:size], self._slots[:size]
+        )
+        token_ids, positions = self._token_ids[:size], self._positions[:size]
+
+        def step() -> torch.Tensor:
+            return self.model.logits(self.model.forward(token_ids, positions, meta, self.caches))  # [size, V]
+
+        return step
