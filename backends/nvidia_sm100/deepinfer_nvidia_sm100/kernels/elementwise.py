@@ -29,8 +29,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     out = torch.empty(rows.shape, dtype=x.dtype, device=x.device)
     if rows.shape[0]:
         _rms_norm_kernel[(rows.shape[0],)](
-            rows, weight, out, rows.stride(0), out.stride(0), rows.shape[1], eps, BLOCK_D=next_pow2(rows.shape[1])
-        )
+            rows, weight.contiguous(), out, rows.stride(0), out.stride(0), rows.shape[1], eps,
+            BLOCK_D=next_pow2(rows.shape[1]),
+        )  # fmt: skip
     return out.view(x.shape)
 
 

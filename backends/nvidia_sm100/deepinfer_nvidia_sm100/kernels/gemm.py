@@ -43,7 +43,7 @@ def _matmul_kernel(
     if SPLIT_K == 1:
         if HAS_BIAS:
             acc += tl.load(bias_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
-        c = c_ptr + batch * sc_b + rm[:, None] * sc_m + rn[None, :] * sc_n
+        c = c_ptr + batch * sc_b + rm[:, None].to(tl.int64) * sc_m + rn[None, :] * sc_n
         tl.store(c, acc.to(c_ptr.dtype.element_ty), mask=mask)
     else:
         nb = tl.num_programs(1)
@@ -93,6 +93,7 @@ def batched_matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None =
         return out
     if k == 0:
         return out.zero_() if bias is None else out.copy_(bias.expand_as(out))
+    bias = None if bias is None else bias.contiguous()
     bm, bn, bk, warps = _tiles(a.dtype)
     splits = split_count(n, k, a.dtype)
     k_per_split = triton.cdiv(triton.cdiv(k, bk), splits) * bk

@@ -107,7 +107,7 @@ def expert_ffn(x: torch.Tensor, tokens_per_expert: torch.Tensor, w13: torch.Tens
     common = dict(F32=dot_in_float32(x.dtype), BE=next_pow2(experts), BM=bm, BN=bn, BK=bk, num_warps=warps)
     if not INTERPRET:
         common["num_stages"] = stages
-    counts = tokens_per_expert.to(device=x.device)
+    counts = tokens_per_expert.to(device=x.device).contiguous()
     _gate_up_kernel[(row_tiles, triton.cdiv(inner, bn))](
         x, w13, counts, act, hidden, inner, experts, x.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
         **common,
