@@ -98,11 +98,13 @@ class BlockManager:
         return True
 
     def cache_full_blocks(self, request: Request) -> None:
-        """Register the request's newly completed blocks (after a step) in the prefix cache."""
+        """Register the request's newly completed blocks (after a step) in the prefix cache. Only blocks
+        whose tokens are all known count: a token still in flight cannot be hashed yet."""
         if not self.enable_prefix_caching:
             return
         tokens, size = request.all_token_ids, self.block_size
-        for i in range(len(request.block_hashes), request.num_computed_tokens // size):
+        full = min(request.num_computed_tokens, len(tokens)) // size
+        for i in range(len(request.block_hashes), full):
             parent = request.block_hashes[-1] if request.block_hashes else None
             block_hash = hash_block(parent, tokens[i * size : (i + 1) * size])
             request.block_hashes.append(block_hash)

@@ -1,4 +1,13 @@
-"""The engine: requests in, steps run, outputs out. Scheduler, blocks and runner are wired here once."""
+"""The engine: requests in, steps run, outputs out. Scheduler, blocks and runner are wired here once.
+
+With asynchronous scheduling, `step()` issues step N (plan on the host, inputs, model, sampler; the
+sampled tokens stay on the device) and only then reads back step N-1's tokens and reports them, so
+the device never waits for the host between steps. Step N plans with a placeholder for each token of
+step N-1 and takes its value on the device. Stops are seen one step late: a request that stopped at
+step N-1 may be in step N, whose token for it is dropped. What callers see is what synchronous
+scheduling gives. Penalties count the in-flight token (copied in on the device); logits processors
+read output tokens on the host, so with any loaded the engine schedules synchronously.
+"""
 
 from __future__ import annotations
 
@@ -11,6 +20,7 @@ from dataclasses import dataclass
 from deepinfer_core.backend.extensions import LogitsProcessor, Observer, RequestEvent, StepStats
 from deepinfer_core.backend.resolve import ResolvedBackend
 from deepinfer_core.engine.block_manager import BlockManager
+from deepinfer_core.engine.pending import LaunchedStep
 from deepinfer_core.engine.request import Request, RequestOutput
 from deepinfer_core.engine.runner import ModelRunner
 from deepinfer_core.engine.scheduler import Scheduler, SchedulerConfig
@@ -34,6 +44,8 @@ class EngineConfig:
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     enable_prefix_caching: bool = True
     scheduler: SchedulerConfig = SchedulerConfig()
+    async_scheduling: bool | None = None  # None: where the backend's capabilities say it supports it
+    graph_batch_size: int = 256  # decode steps of up to this many sequences replay device graphs; 0: never
 
 
 class Engine:
@@ -52,7 +64,14 @@ class Engine:
         num_blocks = config.num_kv_blocks or self._blocks_for_memory(config.kv_cache_memory_bytes, block_size)
         self.blocks = BlockManager(num_blocks, block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.blocks, backend.cost_model)
-        self.runner = ModelRunner(model, backend, num_blocks, logits_processors)
+        self.runner = ModelRunner(
+            model,
+            backend,
+            num_blocks,
+            logits_processors,
+            graph_batch_size=min(config.graph_batch_size, config.scheduler.max_num_seqs),
+            max_model_len=self.max_model_len,
+        )
         self.observers = list(observers)
         eos = set(model.config.eos_token_ids)
         if tokenizer is not None and tokenizer.eos_token_id is not None:
@@ -62,6 +81,12 @@ class Engine:
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._arrivals = itertools.count()
         self._step = 0
+        self._in_flight: LaunchedStep | None = None
+        wanted = config.async_scheduling
+        self.async_scheduling = backend.capabilities.async_scheduling if wanted is None else wanted
+        if self.async_scheduling and self.runner.logits_processors:  # they read output tokens on the host
+            log.info("logits processors are loaded: the engine schedules synchronously")
+            self.async_scheduling = False
 
     def _blocks_for_memory(self, memory_bytes: int, block_size: int) -> int:
         spec = self.model.cache_spec
@@ -82,7 +107,7 @@ class Engine:
                 f"(it must leave room for at least one generated token)"
             )
         capacity = self.blocks.num_blocks * self.blocks.block_size
-        needed = min(len(token_ids) + params.max_tokens, limit)
+        needed = min(len(token_ids) + params.max_tokens, limit)  # the most tokens it may reach
         if needed > capacity:
             raise RequestError(
                 f"the request may need {needed} tokens of KV cache (prompt {len(token_ids)} + "
@@ -91,6 +116,7 @@ class Engine:
             )
         seed = params.seed if params.seed is not None else random.getrandbits(64)
         request = Request(request_id, text, token_ids, params, seed, next(self._arrivals))
+        request.max_num_tokens = needed
         self._requests[request_id] = request
         if self.tokenizer is not None:
             self._detokenizers[request_id] = IncrementalDetokenizer(self.tokenizer)
@@ -124,30 +150,47 @@ class Engine:
         self._notify(RequestEvent(request_id, "aborted"))
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        """True while a request waits or runs, or a step's outputs are still to be reported."""
+        return self.scheduler.has_unfinished() or self._in_flight is not None
 
     # ---- steps ----------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Run one step; report every request that got a token (or finished)."""
+        """Run one step; report every request that got a token (or finished). With asynchronous
+        scheduling the tokens reported are those of the step issued by the previous call."""
+        launched = self._launch()
+        if not self.async_scheduling:
+            return self._finalize(launched) if launched else []
+        previous, self._in_flight = self._in_flight, launched
+        return self._finalize(previous) if previous else []
+
+    def _launch(self) -> LaunchedStep | None:
+        """Plan a step and issue its model and sampler work; its tokens stay on the device."""
         scheduled = self.scheduler.schedule()
         if not scheduled.requests:
-            return []
-        sampled, out = self.runner.execute(scheduled.requests)
+            return None
+        in_flight = self._in_flight.tokens() if self._in_flight else None
+        launched = LaunchedStep(scheduled, *self.runner.execute(scheduled.requests, in_flight))
         for request, count in scheduled.requests:
             request.num_computed_tokens += count
-            self.blocks.cache_full_blocks(request)
+            self.blocks.cache_full_blocks(request)  # blocks whose tokens are all known on the host
+        for request in launched.sampled:
+            request.num_pending_tokens += 1  # known when this step is finalized
+        return launched
+
+    def _finalize(self, step: LaunchedStep) -> list[RequestOutput]:
+        """Read a launched step's tokens back; append them, detokenize, check stops, report."""
         outputs = []
-        for row, request in enumerate(sampled):
-            token = int(out.token_ids[row])
+        token_ids, logprobs, top_ids, top_logprobs = step.read()
+        for row, request in enumerate(step.sampled):
+            request.num_pending_tokens -= 1
+            if request.finished:  # stopped or aborted after this step was issued: drop the token
+                continue
+            token = token_ids[row]
             request.output_token_ids.append(token)
-            if request.params.logprobs is not None:
-                request.logprobs.append(float(out.logprobs[row]))
-                top = zip(
-                    out.top_token_ids[row, : request.params.logprobs].tolist(),
-                    out.top_logprobs[row, : request.params.logprobs].tolist(),
-                )
-                request.top_logprobs.append(dict(top))
+            if (wanted := request.params.logprobs) is not None:
+                request.logprobs.append(logprobs[row])
+                request.top_logprobs.append(dict(zip(top_ids[row][:wanted], top_logprobs[row][:wanted])))
             new_text = self._detokenize(request)
             streamed = len(request.text) - len(new_text)  # text reported before this token
             self._check_stop(request, token)
@@ -156,9 +199,11 @@ class Engine:
                 self._requests.pop(request.request_id, None)
                 self._detokenizers.pop(request.request_id, None)
                 self._notify(RequestEvent(request.request_id, "finished", request.finish_reason or ""))
+            else:  # the block this token completes, if the next step already computed it
+                self.blocks.cache_full_blocks(request)
             outputs.append(RequestOutput.of(request, new_text, (token,)))
         self._step += 1
-        self._observe_step(scheduled)
+        self._observe_step(step)
         return outputs
 
     def _detokenize(self, request: Request) -> str:
@@ -179,7 +224,7 @@ class Engine:
         elif params.stop and (hit := _find_stop(request.text, params.stop)) is not None:
             request.text = request.text[: hit[0]]
             reason, stop = "stop", hit[1]
-        elif len(request.output_token_ids) >= params.max_tokens or request.num_tokens >= self.max_model_len:
+        elif request.num_known_tokens >= request.max_num_tokens:  # max_tokens, or the context, reached
             reason = "length"
         if reason is not None:
             request.finish_reason, request.stop_reason = reason, stop
@@ -192,14 +237,13 @@ class Engine:
             except Exception:  # an observer must never take the engine down
                 log.exception("observer %r failed on %s", observer, event.kind)
 
-    def _observe_step(self, scheduled) -> None:
+    def _observe_step(self, step: LaunchedStep) -> None:
         if not self.observers:
             return
-        decode = sum(1 for r, n in scheduled.requests if n == 1 and r.num_computed_tokens > len(r.prompt_token_ids))
         stats = StepStats(
             self._step,
-            scheduled.num_tokens - decode,
-            decode,
+            step.scheduled.num_tokens - step.num_decode_tokens,
+            step.num_decode_tokens,
             len(self.scheduler.running),
             len(self.scheduler.waiting),
             self.blocks.num_used_blocks,

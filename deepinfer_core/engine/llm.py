@@ -35,6 +35,11 @@ class LLM:
     accelerator: backend name, alias or "auto" (default: $DEEPINFER_ACCELERATOR, else auto).
     backend: an already resolved backend to run on instead (accelerator, dtype and block_size are then
         the backend's); the conformance suite uses this to run the engine on the backend under test.
+    async_scheduling: plan step N+1 while the device runs step N (None: where the backend supports it).
+    batch_invariant: run the backend's batch-invariant mode (a request's logits do not depend on the rest
+        of the batch; an error if the backend has no such mode).
+    graph_batch_size: decode steps of up to this many sequences replay device graphs where the backend
+        can capture them (0: always run eagerly).
     """
 
     def __init__(
@@ -49,6 +54,9 @@ class LLM:
         max_num_seqs: int = 64,
         max_num_batched_tokens: int = 2048,
         enable_prefix_caching: bool = True,
+        async_scheduling: bool | None = None,
+        batch_invariant: bool = False,
+        graph_batch_size: int = 256,
         progress: bool = True,
         backend: ResolvedBackend | None = None,
     ) -> None:
@@ -56,7 +64,10 @@ class LLM:
             raise DeepInferError(f"dtype {dtype!r} is not one of {', '.join(_DTYPES)}")
         discovery = discover()
         self.backend: ResolvedBackend = backend or resolve_backend(
-            select_backend(discovery, accelerator), dtype=_DTYPES[dtype], block_size=block_size
+            select_backend(discovery, accelerator),
+            dtype=_DTYPES[dtype],
+            block_size=block_size,
+            batch_invariant=batch_invariant,
         )
         if model is None:
             self.model_name = DEMO_NAME
@@ -80,6 +91,8 @@ class LLM:
             kv_cache_memory_bytes=kv_cache_memory_bytes,
             max_model_len=max_model_len,
             enable_prefix_caching=enable_prefix_caching,
+            async_scheduling=async_scheduling,
+            graph_batch_size=graph_batch_size,
             scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens),
         )
         self.engine = Engine(self.model, self.backend, self.tokenizer, config, processors, observers)

@@ -33,16 +33,25 @@ class Request:
     block_ids: list[int] = field(default_factory=list)
     block_hashes: list[bytes] = field(default_factory=list)  # hash chain of this request's full blocks
     num_preemptions: int = 0
+    num_pending_tokens: int = 0  # sampled by steps still in flight: counted, but not yet known on the host
+    max_num_tokens: int = 1 << 62  # the most tokens the sequence may reach (prompt + max_tokens, capped by the context)
     text: str = ""
     finish_reason: str | None = None  # "stop", "length", "abort"
     stop_reason: str | int | None = None  # the stop string or stop token that ended it
 
     @property
     def num_tokens(self) -> int:
+        """Tokens in the sequence, those still in flight included: what the scheduler plans with."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids) + self.num_pending_tokens
+
+    @property
+    def num_known_tokens(self) -> int:
+        """Tokens whose ids the host has: the prompt and the output tokens read back so far."""
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
     @property
     def all_token_ids(self) -> list[int]:
+        """The known tokens (`num_known_tokens` of them)."""
         return self.prompt_token_ids + self.output_token_ids
 
     @property

@@ -1,7 +1,8 @@
 """Runs one scheduled step: builds the ragged batch and its cache metadata, runs the model, samples.
 
 Everything here is device-agnostic: tensors go to `backend.torch_device`, compute goes through the
-objects the backend's hooks returned at engine build.
+objects the backend's hooks returned at engine build. Nothing here waits for the device: a token that
+the step still in flight sampled is taken from that step's token tensor, on the device.
 """
 
 from __future__ import annotations
@@ -14,7 +15,10 @@ import torch
 from deepinfer_core.backend.extensions import LogitsProcessor
 from deepinfer_core.backend.ops import AttentionMetadata
 from deepinfer_core.backend.resolve import ResolvedBackend
+from deepinfer_core.engine.graphs import DecodeGraphs
+from deepinfer_core.engine.pending import InFlightTokens
 from deepinfer_core.engine.request import Request
+from deepinfer_core.engine.transfer import to_device
 from deepinfer_core.sampling.sampler import SampleOutput, SamplingBatch
 
 __all__ = ["ModelRunner", "StepBatch"]
@@ -27,23 +31,55 @@ class StepBatch:
     meta: AttentionMetadata
     sample_rows: list[int]  # index into the step's requests of those that get a new token
     last_token_index: torch.Tensor  # [S] index in [T] of each sampled request's last token
+    sampled: list[Request]  # the requests of sample_rows, in that order
 
 
 class ModelRunner:
     def __init__(
-        self, model, backend: ResolvedBackend, num_blocks: int, logits_processors: Sequence[LogitsProcessor] = ()
+        self,
+        model,
+        backend: ResolvedBackend,
+        num_blocks: int,
+        logits_processors: Sequence[LogitsProcessor] = (),
+        *,
+        graph_batch_size: int = 0,
+        max_model_len: int = 0,
     ) -> None:
-        self.model, self.backend = model, backend
+        """graph_batch_size > 0 replays decode steps of up to that many sequences from device graphs,
+        where the backend can capture them; the caches then get one scratch block for padding rows."""
+        self.model, self.backend, self.sampler = model, backend, backend.sampler
         self.device = backend.torch_device
         self.block_size = backend.kv_layout.block_size
-        self.caches = [backend.kv_layout.allocate(model.cache_spec, num_blocks) for _ in range(model.num_layers)]
+        use_graphs = backend.graphs is not None and graph_batch_size > 0
+        units = num_blocks + 1 if use_graphs else num_blocks  # block `num_blocks`: the padding rows' scratch
+        self.caches = [backend.kv_layout.allocate(model.cache_spec, units) for _ in range(model.num_layers)]
         self.logits_processors = list(logits_processors)
+        self.graphs = None
+        if use_graphs:
+            self.graphs = DecodeGraphs(
+                backend.graphs,
+                model,
+                self.caches,
+                device=self.device,
+                block_size=self.block_size,
+                max_batch=graph_batch_size,
+                max_blocks_per_seq=-(-max_model_len // self.block_size),
+                scratch_block=num_blocks,
+            )
 
-    def prepare(self, scheduled: Sequence[tuple[Request, int]]) -> StepBatch:
+    def prepare(self, scheduled: Sequence[tuple[Request, int]], in_flight: InFlightTokens | None = None) -> StepBatch:
+        """The step's inputs on the device. A request's newest token may be one `in_flight` sampled."""
         token_ids, positions, slots, starts, seq_lens, tables, sample_rows, last = [], [], [], [0], [], [], [], []
+        fill_at, fill_from = [], []  # index in token_ids <- row of in_flight.token_ids
         for row, (request, count) in enumerate(scheduled):
             begin, end = request.num_computed_tokens, request.num_computed_tokens + count
             token_ids += request.all_token_ids[begin:end]
+            if end > request.num_known_tokens:  # its last token is still on the device
+                if end != request.num_known_tokens + 1 or in_flight is None or request not in in_flight.rows:
+                    raise RuntimeError(f"request {request.request_id}: step input not on the host nor in flight")
+                fill_at.append(len(token_ids))
+                fill_from.append(in_flight.rows[request])
+                token_ids.append(0)  # placeholder, replaced on the device
             positions += range(begin, end)
             slots += [
                 request.block_ids[p // self.block_size] * self.block_size + p % self.block_size
@@ -52,7 +88,7 @@ class ModelRunner:
             starts.append(starts[-1] + count)
             seq_lens.append(end)
             tables.append(request.block_ids)
-            if end == request.num_tokens:  # the step reaches its last known token: sample the next one
+            if end == request.num_tokens:  # the step reaches its last token: sample the next one
                 sample_rows.append(row)
                 last.append(starts[-1] - 1)
         width = max(len(t) for t in tables)
@@ -60,11 +96,14 @@ class ModelRunner:
         for row, table in enumerate(tables):
             block_tables[row, : len(table)] = torch.tensor(table, dtype=torch.int64)
 
-        def on_device(values) -> torch.Tensor:
-            return torch.as_tensor(values, dtype=torch.int64).to(self.device)
-
-        meta = AttentionMetadata(on_device(starts), on_device(seq_lens), block_tables.to(self.device), on_device(slots))
-        return StepBatch(on_device(token_ids), on_device(positions), meta, sample_rows, on_device(last))
+        device = self.device
+        tokens = to_device(token_ids, device)  # [T]
+        if fill_at:
+            tokens[to_device(fill_at, device)] = in_flight.token_ids[to_device(fill_from, device)]
+        on_device = [to_device(values, device) for values in (starts, seq_lens, block_tables, slots)]
+        meta = AttentionMetadata(*on_device)
+        sampled = [scheduled[row][0] for row in sample_rows]
+        return StepBatch(tokens, to_device(positions, device), meta, sample_rows, to_device(last, device), sampled)
 
     def _processed_logits(self, logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
         if not self.logits_processors:
@@ -77,19 +116,47 @@ class ModelRunner:
         return torch.stack(rows)
 
     @torch.inference_mode()
-    def execute(self, scheduled: Sequence[tuple[Request, int]]) -> tuple[list[Request], SampleOutput | None]:
-        """Run the step; returns the requests that got a token and the sampler's output for them."""
-        batch = self.prepare(scheduled)
-        hidden = self.model.forward(batch.token_ids, batch.positions, batch.meta, self.caches)  # [T, D]
-        sampled = [scheduled[row][0] for row in batch.sample_rows]
-        if not sampled:
-            return [], None
-        logits = self._processed_logits(self.model.logits(hidden[batch.last_token_index]), sampled)  # [S, V]
+    def run_model(self, batch: StepBatch) -> torch.Tensor:
+        """Logits [S, V] float32 of the batch's sampled rows, after the logits processors. The only
+        place the model runs."""
+        meta = batch.meta
+        decode = meta.slot_mapping.shape[0] == meta.num_seqs == len(batch.sampled)  # one new token per sequence
+        if decode and self.graphs is not None and self.graphs.fits(meta.num_seqs, meta.block_tables.shape[1]):
+            logits = self.graphs.run(batch.token_ids, batch.positions, meta)  # [S, V], rows in batch order
+            return self._processed_logits(logits, batch.sampled).float()
+        hidden = self.model.forward(batch.token_ids, batch.positions, meta, self.caches)  # [T, D]
+        if not batch.sampled:
+            return hidden.new_empty((0, self.model.config.vocab_size), dtype=torch.float32)
+        logits = self.model.logits(hidden[batch.last_token_index])  # [S, V]
+        return self._processed_logits(logits, batch.sampled).float()
+
+    @torch.inference_mode()
+    def sample(self, batch: StepBatch, logits: torch.Tensor, in_flight: InFlightTokens | None = None) -> SampleOutput:
+        """One token per sampled row of `batch` from its logits [S, V]. Penalties count every output
+        token, those `in_flight` sampled included: they are copied in on the device."""
+        sampled = batch.sampled
         sampling = SamplingBatch.build(
             [r.params for r in sampled],
             [r.seed for r in sampled],
             [r.prompt_token_ids for r in sampled],
-            [r.output_token_ids for r in sampled],
+            [r.output_token_ids + [0] * r.num_pending_tokens for r in sampled],  # 0: placeholder, replaced below
             self.device,
         )
-        return sampled, self.backend.sampler.sample(logits, sampling)
+        # (row, column in output_tokens, row in in_flight) of each output token still on the device
+        pending = [
+            (i, len(r.output_token_ids), in_flight.rows[r]) for i, r in enumerate(sampled) if r.num_pending_tokens
+        ]
+        if pending:
+            rows, columns, sources = to_device(pending, self.device).unbind(1)  # [P] each
+            sampling.output_tokens[rows, columns] = in_flight.token_ids[sources]
+        return self.sampler.sample(logits, sampling)
+
+    def execute(
+        self, scheduled: Sequence[tuple[Request, int]], in_flight: InFlightTokens | None = None
+    ) -> tuple[list[Request], SampleOutput | None]:
+        """Run the step; returns the requests that got a token and the sampler's output for them (on the device)."""
+        batch = self.prepare(scheduled, in_flight)
+        logits = self.run_model(batch)  # [S, V]
+        if not batch.sampled:
+            return [], None
+        return batch.sampled, self.sample(batch, logits, in_flight)

@@ -4,7 +4,8 @@ Running requests go first, in arrival order (a decode is 1 token; a prefill chun
 the budget and the backend's cost model allow). When KV blocks run out, the latest-arrived running
 request is preempted: its blocks are freed and it goes back to the front of the queue, to be
 recomputed later (largely from the prefix cache). Waiting requests are admitted only while nothing
-had to be preempted this step.
+had to be preempted this step. With asynchronous scheduling a request's newest token may still be in
+flight (`Request.num_pending_tokens`): it is planned for like any other token.
 """
 
 from __future__ import annotations
@@ -69,6 +70,9 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
+            if request.num_tokens >= request.max_num_tokens:  # its last token is in flight: nothing to run
+                index += 1
+                continue
             count = self._chunk(request, request.num_computed_tokens, budget)
             while not self.blocks.grow(request, request.num_computed_tokens + count):
                 victim = self.running.pop()  # the latest arrival

@@ -15,12 +15,14 @@ that do not ship their own sampler kernels. Order of operations, per request:
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 import torch
 
+from deepinfer_core.engine.transfer import to_device
 from deepinfer_core.sampling.noise import gumbel_noise
 from deepinfer_core.sampling.params import SamplingParams
 
@@ -48,6 +50,11 @@ class SamplingBatch:
     prompt_tokens: torch.Tensor  # [B, Lp] int64, -1 padded
     output_tokens: torch.Tensor  # [B, Lo] int64, -1 padded
     num_logprobs: int  # top logprobs to return per row (max over the batch)
+    # host-side summaries of the columns above, so a sampler can skip work without reading the device;
+    # True (the default) is always correct, it only means "do the work"
+    any_random: bool = True  # some row has temperature > 0
+    any_filter: bool = True  # some row has top-k, top-p < 1 or min-p > 0
+    any_penalty: bool = True  # some row has a repetition, presence or frequency penalty
 
     @classmethod
     def build(
@@ -59,31 +66,52 @@ class SamplingBatch:
         device: torch.device | str = "cpu",
     ) -> SamplingBatch:
         """Stack per-request parameters; `seeds` are the requests' seeds (drawn by core when unset)."""
+        device = torch.device(device)
 
-        def column(values, dtype):
-            return torch.tensor(values, dtype=dtype, device=device)
+        def column(values, dtype):  # on the host: the flags below are read from it, not from the device
+            return torch.tensor(values, dtype=dtype)
 
         def padded(rows):
             width = max((len(r) for r in rows), default=0)
             out = torch.full((len(rows), width), -1, dtype=torch.int64)
             for i, row in enumerate(rows):
                 out[i, : len(row)] = torch.tensor(row, dtype=torch.int64)
-            return out.to(device)
+            return out
 
-        return cls(
-            temperature=column([p.temperature for p in params], torch.float32),
-            top_k=column([max(p.top_k, 0) for p in params], torch.int64),
-            top_p=column([p.top_p for p in params], torch.float32),
-            min_p=column([p.min_p for p in params], torch.float32),
-            repetition_penalty=column([p.repetition_penalty for p in params], torch.float32),
-            presence_penalty=column([p.presence_penalty for p in params], torch.float32),
-            frequency_penalty=column([p.frequency_penalty for p in params], torch.float32),
+        temperature = column([p.temperature for p in params], torch.float32)
+        top_k = column([max(p.top_k, 0) for p in params], torch.int64)
+        top_p = column([p.top_p for p in params], torch.float32)
+        min_p = column([p.min_p for p in params], torch.float32)
+        repetition = column([p.repetition_penalty for p in params], torch.float32)
+        presence = column([p.presence_penalty for p in params], torch.float32)
+        frequency = column([p.frequency_penalty for p in params], torch.float32)
+        host = cls(
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            min_p=min_p,
+            repetition_penalty=repetition,
+            presence_penalty=presence,
+            frequency_penalty=frequency,
             seeds=column([_as_int64_seed(s) for s in seeds], torch.int64),
             steps=column([len(o) for o in output_tokens], torch.int64),
             prompt_tokens=padded(prompt_tokens),
             output_tokens=padded(output_tokens),
             num_logprobs=max((p.logprobs or 0 for p in params), default=0),
+            any_random=bool((temperature > 0).any()),
+            any_filter=bool((top_k > 0).any() or (top_p < 1).any() or (min_p > 0).any()),
+            any_penalty=bool((repetition != 1).any() or (presence != 0).any() or (frequency != 0).any()),
         )
+        return host.to(device)
+
+    def to(self, device: torch.device) -> SamplingBatch:
+        """This batch with its tensors on `device` (copies that do not wait for the device's queued work)."""
+        moved = {
+            f: to_device(getattr(self, f), device)
+            for f in self.__dataclass_fields__
+            if isinstance(getattr(self, f), torch.Tensor)
+        }
+        return dataclasses.replace(self, **moved)
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,7 +152,7 @@ def filter_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     """Temperature-scaled logits with everything outside top-k / top-p / min-p set to -inf."""
     temperature = torch.where(batch.temperature > 0, batch.temperature, torch.ones_like(batch.temperature))
     scaled = logits / temperature[:, None]
-    if not bool((batch.top_k > 0).any() or (batch.top_p < 1).any() or (batch.min_p > 0).any()):
+    if not batch.any_filter:
         return scaled  # no filter asked for: skip the sort over the vocabulary
     vocab = scaled.shape[1]
     sorted_logits, order = scaled.sort(dim=1, descending=True)  # [B, V]
@@ -145,9 +173,10 @@ class TorchSampler:
     def sample(self, logits: torch.Tensor, batch: SamplingBatch) -> SampleOutput:
         logits = logits.float()
         raw_logprobs = torch.log_softmax(logits, dim=1)  # [B, V]
-        penalized = apply_penalties(logits, batch)
+        # with no penalty in the batch they are the identity (x / 1, x * 1, x - 0): skip them
+        penalized = apply_penalties(logits, batch) if batch.any_penalty else logits
         token_ids = penalized.argmax(dim=1)
-        if bool((batch.temperature > 0).any()):  # an all-greedy batch needs no filtering and no noise
+        if batch.any_random:  # an all-greedy batch needs no filtering and no noise
             noisy = filter_logits(penalized, batch) + gumbel_noise(batch.seeds, batch.steps, logits.shape[1])
             token_ids = torch.where(batch.temperature > 0, noisy.argmax(dim=1), token_ids)
         top_logprobs, top_ids = raw_logprobs.topk(batch.num_logprobs, dim=1)

@@ -1,0 +1,76 @@
+"""Decode steps replayed through `DecodeGraphs` give what eager steps give: padding rows write and read only
+the scratch block, static inputs are refreshed every step, and graphs are captured once per padded size.
+
+The capture here is a stand-in that replays by calling the step again over the same static tensors, which
+is what a device graph does; rowwise_cpu is batch-invariant, so padding must not change a single bit."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from deepinfer_core.backend.registry import discover
+from deepinfer_core.backend.resolve import resolve_backend
+from deepinfer_core.backend.selection import select_backend
+from deepinfer_core.engine.graphs import capture_sizes
+from deepinfer_core.engine.llm import LLM
+from deepinfer_core.sampling.params import SamplingParams
+
+
+class ReplayByCalling:
+    """A GraphCapture whose 'graph' is the step itself; counts captures and replays."""
+
+    def __init__(self) -> None:
+        self.captures = 0
+        self.replays = 0
+
+    def capture(self, step):
+        self.captures += 1
+
+        def replay():
+            self.replays += 1
+            return step()
+
+        return replay
+
+
+def _run(checkpoint, graphs, graph_batch_size: int):
+    backend = resolve_backend(select_backend(discover(), "rowwise_cpu"), dtype=torch.float32, block_size=16)
+    backend = dataclasses.replace(backend, graphs=graphs)
+    llm = LLM(model=checkpoint, backend=backend, num_kv_blocks=40, graph_batch_size=graph_batch_size, progress=False)
+    prompts = [torch.randint(2, 128, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (5, 17, 9)]
+    params = [
+        SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=5),
+        SamplingParams(temperature=0.8, seed=3, max_tokens=7, ignore_eos=True, logprobs=5),  # leaves early
+        SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, logprobs=5),
+    ]
+    outputs = llm.generate(prompts, params)
+    return [(o.outputs[0].token_ids, o.outputs[0].logprobs, o.outputs[0].top_logprobs) for o in outputs], llm
+
+
+def test_capture_sizes_cover_every_batch():
+    sizes = capture_sizes(40)
+    assert sizes[0] == 1 and sizes[-1] == 40
+    assert all(any(s >= b for s in sizes) for b in range(1, 41))
+
+
+@pytest.mark.parametrize("graph_batch_size", [8, 2])  # 2: the 3-sequence steps run eagerly, the rest replay
+def test_replayed_decode_steps_match_eager_bit_for_bit(tiny_checkpoint, graph_batch_size):
+    eager, _ = _run(tiny_checkpoint, None, 0)
+    capture = ReplayByCalling()
+    replayed, llm = _run(tiny_checkpoint, capture, graph_batch_size)
+    assert capture.replays > 10, "decode steps did not go through the graphs"
+    assert capture.captures == len(llm.engine.runner.graphs._replays)  # one capture per padded size used
+    assert replayed == eager
+
+
+def test_padding_rows_write_the_scratch_block(tiny_checkpoint):
+    """Three sequences pad to 4 rows: the padding row writes the scratch block past the handed-out ones."""
+    capture = ReplayByCalling()
+    _, llm = _run(tiny_checkpoint, capture, 8)
+    runner, layout = llm.engine.runner, llm.backend.kv_layout
+    scratch_slot = torch.tensor([llm.engine.blocks.num_blocks * runner.block_size])  # first slot of the scratch block
+    written = [layout.gather(cache, llm.model.cache_spec, scratch_slot) for cache in runner.caches]
+    assert all(bool(entry.abs().sum() > 0) for entry in written), "padding rows did not write the scratch block"
