@@ -10,15 +10,16 @@ export PYTHONPATH=/tmp/site
 cd /tmp  # import the installed wheels, not the checkout
 OUT=${OUT:-/tmp/out}
 status=0
+deepinfer() { python3 -c 'import sys; from deepinfer_core.cli import main; sys.exit(main(sys.argv[1:]))' "$@"; }
 while [ $# -gt 0 ]; do
     step=$1; shift
     case $step in
         probe)
-            python3 -m deepinfer_core.cli backends --json > "$OUT/backends.json" 2>&1 || status=1
+            deepinfer backends --json > "$OUT/backends.json" 2>&1 || status=1
             nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm --format=csv >> "$OUT/nvidia_smi.txt" ;;
         conformance)
             filter=${CONFORMANCE_K:-}
-            python3 -m deepinfer_core.cli conformance --backend nvidia_sm100 \
+            deepinfer conformance --backend nvidia_sm100 \
                 --report "$OUT/conformance_nvidia_sm100.json" ${filter:+-k "$filter"} 2>&1 | tail -60 || status=1 ;;
         bench)
             python3 "$OLDPWD/bench/gpu_decode.py" ${BENCH_ARGS:-} --out "$OUT/gpu_decode.json" \
