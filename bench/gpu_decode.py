@@ -79,11 +79,14 @@ class Ours:
             if before_step is not None:
                 before_step(len(steps))
             _gpu.sync(self.device)
+            self.steps_seen.last = None
             t0 = time.perf_counter()
             outputs = self.engine.step()
             _gpu.sync(self.device)
+            # with asynchronous scheduling a call launches step N and reports step N-1 (none on the first call)
             stats = self.steps_seen.last
-            steps.append((time.perf_counter() - t0, stats.num_prefill_tokens, stats.num_decode_tokens))
+            kind = (stats.num_prefill_tokens, stats.num_decode_tokens) if stats is not None else (-1, -1)
+            steps.append((time.perf_counter() - t0, *kind))
             done.update({o.request_id: o for o in outputs if o.finished})
         return steps, [list(done[i].outputs[0].token_ids) for i in ids], sum(done[i].num_cached_tokens for i in ids)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Callable
 
 import torch
@@ -16,20 +17,29 @@ class CudaGraphCapture:
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
+        self._stream: torch.cuda.Stream | None = None
         self._pool = None
 
     def capture(self, step: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
-        side = torch.cuda.Stream(self.device)
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(self.device)
+            self._pool = torch.cuda.graph_pool_handle()
+        stream = self._stream  # warm-up and capture on one stream: per-stream library workspaces exist by then
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
             for _ in range(self.WARMUP_RUNS):
                 step()
-        torch.cuda.current_stream(self.device).wait_stream(side)
-        if self._pool is None:
-            self._pool = torch.cuda.graph_pool_handle()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
-            out = step()
+        stream.synchronize()
+        # graphs of engines no longer referenced must not be freed by the garbage collector mid-capture
+        gc.collect()
+        gc.disable()
+        try:
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._pool, stream=stream):
+                out = step()
+        finally:
+            gc.enable()
+        torch.cuda.current_stream(self.device).wait_stream(stream)
 
         def replay() -> torch.Tensor:
             graph.replay()
