@@ -75,18 +75,22 @@ class Ours:
         for request_id, prompt in zip(ids, prompts):
             self.engine.add_request(request_id, prompt, params)
         steps, done = [], {}
+        # No synchronisation between steps: that would defeat asynchronous scheduling. A call's time is the
+        # interval since the previous call returned; with asynchronous scheduling a call launches step N and
+        # waits for and reports step N-1, so the interval is (in steady state) step N-1's device time, and
+        # the stats it reports are step N-1's: the two stay paired. The first call reports nothing.
+        _gpu.sync(self.device)
+        last = time.perf_counter()
         while self.engine.has_unfinished():
             if before_step is not None:
                 before_step(len(steps))
-            _gpu.sync(self.device)
             self.steps_seen.last = None
-            t0 = time.perf_counter()
             outputs = self.engine.step()
-            _gpu.sync(self.device)
-            # with asynchronous scheduling a call launches step N and reports step N-1 (none on the first call)
+            now = time.perf_counter()
             stats = self.steps_seen.last
             kind = (stats.num_prefill_tokens, stats.num_decode_tokens) if stats is not None else (-1, -1)
-            steps.append((time.perf_counter() - t0, *kind))
+            steps.append((now - last, *kind))
+            last = now
             done.update({o.request_id: o for o in outputs if o.finished})
         return steps, [list(done[i].outputs[0].token_ids) for i in ids], sum(done[i].num_cached_tokens for i in ids)
 

@@ -58,7 +58,7 @@ class NvidiaOps:
     def expert_ffn(
         self, x: torch.Tensor, tokens_per_expert: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor
     ) -> torch.Tensor:
-        return moe.expert_ffn(x, tokens_per_expert, w13, w2)
+        return moe.expert_ffn(x, tokens_per_expert, w13, w2, fixed_tiles=self.batch_invariant)
 
 
 class NvidiaAttention:

@@ -84,17 +84,27 @@ def _down_kernel(
     tl.store(out_ptr + rm[:, None].to(tl.int64) * so_m + rn[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def _tiles(dtype: torch.dtype) -> tuple[int, int, int, int, int]:
-    """(BM, BN, BK, num_warps, num_stages), fixed per dtype so the result never depends on the batch."""
+def _tiles(dtype: torch.dtype, large: bool) -> tuple[int, int, int, int, int]:
+    """(BM, BN, BK, num_warps, num_stages). `large` picks bigger tiles for many rows per expert (prefill);
+    batch-invariant mode never asks for them, so there the tiling is fixed per dtype."""
     if INTERPRET:
         return 16, 32, 32, 4, 1
     if dtype == torch.float32:
         return 64, 32, 32, 4, 2
+    if large:
+        return 128, 128, 64, 8, 3
     return 64, 64, 64, 4, 4
 
 
-def expert_ffn(x: torch.Tensor, tokens_per_expert: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
-    """x [N, D] rows sorted by expert, tokens_per_expert [E], w13 [E, 2I, D], w2 [E, D, I] -> [N, D]."""
+LARGE_ROWS_PER_EXPERT = 512  # from here on the 128 x 128 tiles win (compute-bound, prefill-sized)
+
+
+def expert_ffn(
+    x: torch.Tensor, tokens_per_expert: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, fixed_tiles: bool = True
+) -> torch.Tensor:
+    """x [N, D] rows sorted by expert, tokens_per_expert [E], w13 [E, 2I, D], w2 [E, D, I] -> [N, D].
+
+    fixed_tiles=False lets the tile size follow the number of rows (faster prefill, not batch-invariant)."""
     rows, hidden = x.shape
     experts, inner = w13.shape[0], w2.shape[2]
     out = torch.empty((rows, hidden), dtype=x.dtype, device=x.device)
@@ -102,7 +112,8 @@ def expert_ffn(x: torch.Tensor, tokens_per_expert: torch.Tensor, w13: torch.Tens
         return out
     x, w13, w2 = x.contiguous(), w13.contiguous(), w2.contiguous()
     act = torch.empty((rows, inner), dtype=x.dtype, device=x.device)
-    bm, bn, bk, warps, stages = _tiles(x.dtype)
+    large = not fixed_tiles and rows >= LARGE_ROWS_PER_EXPERT * experts
+    bm, bn, bk, warps, stages = _tiles(x.dtype, large)
     row_tiles = triton.cdiv(rows, bm) + experts
     common = dict(F32=dot_in_float32(x.dtype), BE=next_pow2(experts), BM=bm, BN=bn, BK=bk, num_warps=warps)
     if not INTERPRET:
