@@ -51,24 +51,6 @@ def _weighted_sum(pair_rows: torch.Tensor, topk_weights: torch.Tensor, out_dtype
     return (rows * topk_weights.float()[:, :, None]).sum(dim=1).to(out_dtype)
 
 
-_RANK_BY_COUNTING_MAX = 1 << 22  # pairs x experts up to which counting beats a sort (decode-sized steps)
-
-
-def _stable_order(ids: torch.Tensor, num_experts: int) -> torch.Tensor:
-    """argsort(ids, stable=True) for ids in [0, num_experts): small inputs by counting (a few elementwise
-    kernels instead of a device sort), large ones by sorting. Both give the same permutation."""
-    if ids.numel() * num_experts > _RANK_BY_COUNTING_MAX:
-        return torch.argsort(ids, stable=True)
-    one_hot = torch.nn.functional.one_hot(ids, num_experts).to(torch.int32)  # [P, E]
-    before = one_hot.cumsum(0).gather(1, ids[:, None]).squeeze(1) - 1  # earlier pairs of the same expert
-    counts = one_hot.sum(0).to(torch.int64)
-    starts = counts.cumsum(0) - counts  # [E] first slot of each expert
-    destination = starts[ids] + before
-    order = torch.empty_like(ids)
-    order[destination] = torch.arange(ids.numel(), device=ids.device)
-    return order
-
-
 class InProcessCommunicator:
     """World size 1: every expert is local; dispatch is a sort by expert id."""
 
@@ -77,7 +59,7 @@ class InProcessCommunicator:
 
     def dispatch(self, hidden: torch.Tensor, topk_ids: torch.Tensor, num_experts: int) -> Dispatched:
         flat_ids = topk_ids.reshape(-1)  # [T*K]
-        order = _stable_order(flat_ids, num_experts)  # pair indices grouped by expert
+        order = torch.argsort(flat_ids, stable=True)  # pair indices grouped by expert
         rows = hidden[order // topk_ids.shape[1]]  # [T*K, D]
         counts = torch.zeros(num_experts, dtype=torch.int64, device=flat_ids.device)
         counts.scatter_add_(0, flat_ids, torch.ones_like(flat_ids))  # not bincount: it reads its max on the host
