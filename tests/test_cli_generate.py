@@ -32,3 +32,13 @@ def test_generate_with_a_missing_model_path(run_cli, tmp_path):
     result = run_cli(["generate", "--prompt", "Hello", "--model", str(tmp_path / "nope"), "--accelerator", "cpu"])
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert "is not a directory" in result.stderr
+
+
+def test_batch_invariant_mode_needs_a_backend_that_offers_it(run_cli):
+    refused = run_cli(["generate", "--prompt", "Hi", "--max-tokens", "2", "--accelerator", "cpu", "--batch-invariant"])
+    assert refused.returncode == 2 and "Traceback" not in refused.stderr
+    assert "cpu has no batch-invariant mode" in refused.stderr
+    args = ["generate", "--prompt-token-ids", "5,6,7", "--max-tokens", "3", "--temperature", "0", "--batch-invariant"]
+    served = run_cli([*args, "--accelerator", "rowwise_cpu"])
+    assert served.returncode == 0, served.stderr
+    assert "3 tokens" in served.stderr

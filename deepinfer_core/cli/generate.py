@@ -32,6 +32,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         accelerator=args.accelerator,
         dtype=args.dtype,
         max_model_len=args.max_model_len,
+        batch_invariant=args.batch_invariant,
         progress=sys.stderr.isatty(),
     )
     print(
@@ -77,4 +78,5 @@ def add_parser(commands) -> None:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--batch-invariant", action="store_true", help="run the backend's batch-invariant mode")
     p.set_defaults(run=_cmd_generate)

@@ -33,6 +33,8 @@ def build_state(args: argparse.Namespace):
         num_kv_blocks=args.num_kv_blocks,
         kv_cache_memory_bytes=int(args.kv_cache_memory_gb * (1 << 30)),
         enable_prefix_caching=not args.no_enable_prefix_caching,
+        batch_invariant=args.batch_invariant,
+        graph_batch_size=0 if args.enforce_eager else 256,
         progress=sys.stderr.isatty(),
     )
     if llm.tokenizer is None:
@@ -113,6 +115,12 @@ def add_parser(commands) -> None:
     p.add_argument("--num-kv-blocks", type=int, default=None, help="KV blocks (default: from --kv-cache-memory-gb)")
     p.add_argument("--kv-cache-memory-gb", type=float, default=1.0)
     p.add_argument("--no-enable-prefix-caching", action="store_true")
+    p.add_argument(
+        "--batch-invariant",
+        action="store_true",
+        help="a request's output does not depend on the rest of the batch (backends that offer it)",
+    )
+    p.add_argument("--enforce-eager", action="store_true", help="never replay decode steps from device graphs")
     p.add_argument("--max-waiting-requests", type=int, default=512, help="beyond this, answer 503 + Retry-After")
     p.add_argument("--api-key", default=None, help="require this key on /v1 routes (default: $DEEPINFER_API_KEY)")
     p.add_argument("--max-request-body-mb", type=int, default=8)
