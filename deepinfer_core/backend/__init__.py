@@ -2,7 +2,7 @@
 
 from deepinfer_core.backend.extensions import LogitsProcessor, ModelRegistry, Observer, RequestEvent, StepStats
 from deepinfer_core.backend.hookspecs import API_VERSION, REQUIRED_BACKEND_HOOKS, BackendSpec, PluginSpec, hookimpl
-from deepinfer_core.backend.ops import OP_NAMES, AttentionMetadata, AttentionOps, Ops, RoutingConfig
+from deepinfer_core.backend.ops import OP_NAMES, AttentionMetadata, AttentionOps, BlockFP8, Ops, RoutingConfig
 from deepinfer_core.backend.types import BackendInfo, Capabilities, DeviceFacts, ProbeResult
 
 __all__ = [
@@ -13,6 +13,7 @@ __all__ = [
     "AttentionOps",
     "BackendInfo",
     "BackendSpec",
+    "BlockFP8",
     "Capabilities",
     "DeviceFacts",
     "LogitsProcessor",

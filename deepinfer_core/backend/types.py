@@ -35,6 +35,9 @@ class Capabilities:
     graph_capture: bool = False  # decode steps can be captured and replayed as a device graph
     async_scheduling: bool = False  # the engine may plan step N+1 while the device runs step N
     communicators: tuple[str, ...] = ("in_process",)  # expert-parallel transports it provides
+    # weight storage formats `linear` / `expert_ffn` take as they are: "fp8_block" (ops.BlockFP8); others
+    # are dequantized at load to the compute dtype
+    weight_formats: tuple[str, ...] = ()
     unsupported: tuple[tuple[str, str], ...] = ()  # (op or feature name, reason)
 
     def supports(self, op: str) -> bool | str:
@@ -55,6 +58,7 @@ class Capabilities:
             "graph_capture": self.graph_capture,
             "async_scheduling": self.async_scheduling,
             "communicators": list(self.communicators),
+            "weight_formats": list(self.weight_formats),
             "unsupported": {name: reason for name, reason in self.unsupported},
         }
 

@@ -10,7 +10,7 @@ import pluggy
 from deepinfer_core.backend.extensions import ModelRegistry
 from deepinfer_core.backend.resolve import ResolvedBackend
 from deepinfer_core.model.config import DeepseekConfig
-from deepinfer_core.model.deepseek_v3 import FLOAT32_WEIGHTS, DeepseekV3Model, expected_weights
+from deepinfer_core.model.deepseek_v3 import FLOAT32_WEIGHTS, FP8_WEIGHTS, DeepseekV3Model, expected_weights
 from deepinfer_core.model.loader import CheckpointError, load_tensors, read_config
 
 __all__ = ["load_deepseek", "load_model", "model_registry"]
@@ -18,7 +18,10 @@ __all__ = ["load_deepseek", "load_model", "model_registry"]
 
 def load_deepseek(path: Path, raw_config: dict[str, Any], backend: ResolvedBackend, progress: bool = True):
     config = DeepseekConfig.from_hf(raw_config)
-    weights = load_tensors(path, raw_config, expected_weights(config), backend.dtype, FLOAT32_WEIGHTS, progress)
+    keep_fp8 = FP8_WEIGHTS if "fp8_block" in backend.capabilities.weight_formats else None
+    weights = load_tensors(
+        path, raw_config, expected_weights(config), backend.dtype, FLOAT32_WEIGHTS, progress, keep_fp8
+    )
     return DeepseekV3Model(config, weights, backend)
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from deepinfer_core.backend.ops import AttentionMetadata
+from deepinfer_core.backend.ops import AttentionMetadata, BlockFP8
 from deepinfer_core.backend.resolve import ResolvedBackend
 from deepinfer_core.kv.layout import CacheSpec
 from deepinfer_core.model.config import DeepseekConfig
@@ -23,7 +23,8 @@ class DenseMLP:
 
     def __init__(self, backend: ResolvedBackend, w: Weights, prefix: str) -> None:
         self.ops = backend.ops
-        self.w13 = torch.cat([w[f"{prefix}.gate_proj.weight"], w[f"{prefix}.up_proj.weight"]])  # [2I, D]
+        gate_up = [w[f"{prefix}.gate_proj.weight"], w[f"{prefix}.up_proj.weight"]]
+        self.w13 = BlockFP8.concat_rows(gate_up, backend.dtype)  # [2I, D]
         self.w2 = w[f"{prefix}.down_proj.weight"]  # [D, I]
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -42,10 +43,12 @@ class MoE:
         per_rank = config.n_routed_experts // self.comm.world_size
         local = range(self.comm.rank * per_rank, (self.comm.rank + 1) * per_rank)
         expert = f"{prefix}.experts"
-        self.w13 = torch.stack(
-            [torch.cat([w[f"{expert}.{e}.gate_proj.weight"], w[f"{expert}.{e}.up_proj.weight"]]) for e in local]
-        )  # [E_local, 2I, D]
-        self.w2 = torch.stack([w[f"{expert}.{e}.down_proj.weight"] for e in local])  # [E_local, D, I]
+        gate_up = [[w[f"{expert}.{e}.gate_proj.weight"], w[f"{expert}.{e}.up_proj.weight"]] for e in local]
+        w13 = [BlockFP8.concat_rows(pair, backend.dtype) for pair in gate_up]
+        if len({type(t) for t in w13}) > 1:  # some experts could not stay FP8: none do
+            w13 = [t.dequantize(backend.dtype) if isinstance(t, BlockFP8) else t for t in w13]
+        self.w13 = BlockFP8.stack(w13)  # [E_local, 2I, D]
+        self.w2 = BlockFP8.stack([w[f"{expert}.{e}.down_proj.weight"] for e in local])  # [E_local, D, I]
         self.shared = DenseMLP(backend, w, f"{prefix}.shared_experts") if config.n_shared_experts else None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:

@@ -1,7 +1,8 @@
 """Read a Hugging Face-format checkpoint: config.json, safetensors (single or sharded), FP8 block scales.
 
 DeepSeek's official FP8 checkpoints store `W` as float8_e4m3fn with `W_scale_inv` holding one float32
-multiplier per [128, 128] block; backends without FP8 GEMM get `W` dequantized here (W * scale).
+multiplier per [128, 128] block. Tensors the caller names in `keep_fp8` stay in that format (as
+ops.BlockFP8) for backends that compute with it; every other FP8 tensor is dequantized here (W * scale).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
+from deepinfer_core.backend.ops import BlockFP8
 from deepinfer_core.errors import DeepInferError
 
 __all__ = ["CheckpointError", "dequantize_fp8_blocks", "load_tensors", "read_config"]
@@ -79,6 +81,13 @@ def _fp8_block(config: Mapping[str, Any]) -> tuple[int, int] | None:
     return int(block[0]), int(block[1])
 
 
+def _check_shape(name: str, file: Path, tensor: torch.Tensor, shape: tuple[int, ...]) -> None:
+    if tuple(tensor.shape) != tuple(shape):
+        raise CheckpointError(
+            f"tensor {name} in {file.name} has shape {tuple(tensor.shape)}, but the config implies {tuple(shape)}"
+        )
+
+
 def load_tensors(
     path: Path,
     config: Mapping[str, Any],
@@ -86,9 +95,11 @@ def load_tensors(
     dtype: torch.dtype,
     keep_float32: re.Pattern[str] | None = None,
     progress: bool = True,
-) -> dict[str, torch.Tensor]:
+    keep_fp8: re.Pattern[str] | None = None,
+) -> dict[str, torch.Tensor | BlockFP8]:
     """Load exactly the tensors in `expected` (name -> shape), checking each shape, cast to `dtype`
-    (names matching `keep_float32` stay float32). Extra tensors in the checkpoint are skipped."""
+    (names matching `keep_float32` stay float32; FP8 tensors matching `keep_fp8` stay FP8, as BlockFP8).
+    Extra tensors in the checkpoint are skipped."""
     files = _tensor_files(path)
     missing = [name for name in expected if name not in files]
     if missing:
@@ -113,12 +124,14 @@ def load_tensors(
                 scale_name = name + "_scale_inv"
                 if block is None or scale_name not in files:
                     raise CheckpointError(f"tensor {name} is FP8 but {scale_name} / quantization_config is missing")
-                tensor = dequantize_fp8_blocks(tensor, handle(files[scale_name]).get_tensor(scale_name), block)
-            if tuple(tensor.shape) != tuple(shape):
-                raise CheckpointError(
-                    f"tensor {name} in {files[name].name} has shape {tuple(tensor.shape)}, but the config implies "
-                    f"{tuple(shape)}"
-                )
+                scale = handle(files[scale_name]).get_tensor(scale_name)
+                if keep_fp8 is not None and keep_fp8.search(name):
+                    _check_shape(name, files[name], tensor, shape)
+                    tensors[name] = BlockFP8(tensor, scale.float(), block)
+                    bar.update()
+                    continue
+                tensor = dequantize_fp8_blocks(tensor, scale, block)
+            _check_shape(name, files[name], tensor, shape)
             keep = keep_float32 is not None and keep_float32.search(name)
             tensors[name] = tensor.to(torch.float32 if keep else dtype)
             bar.update()

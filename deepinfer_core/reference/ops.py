@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from deepinfer_core.backend.ops import RoutingConfig
+from deepinfer_core.backend.ops import BlockFP8, RoutingConfig
 
 __all__ = ["ReferenceOps"]
 
@@ -32,7 +32,11 @@ class ReferenceOps:
         out = torch.stack((ra, rb), dim=-1).flatten(-2) if interleaved else torch.cat((ra, rb), dim=-1)
         return out.to(x.dtype)
 
-    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    def linear(
+        self, x: torch.Tensor, weight: torch.Tensor | BlockFP8, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        if isinstance(weight, BlockFP8):  # the value it stands for, in the compute dtype
+            weight = weight.dequantize(x.dtype)
         return F.linear(x, weight, bias)
 
     def head_linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -68,6 +72,10 @@ class ReferenceOps:
     def expert_ffn(
         self, x: torch.Tensor, tokens_per_expert: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor
     ) -> torch.Tensor:
+        if isinstance(w13, BlockFP8):
+            w13 = w13.dequantize(x.dtype)
+        if isinstance(w2, BlockFP8):
+            w2 = w2.dequantize(x.dtype)
         out = torch.empty_like(x)
         start = 0
         for expert, count in enumerate(tokens_per_expert.tolist()):

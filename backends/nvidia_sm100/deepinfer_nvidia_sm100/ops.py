@@ -1,5 +1,6 @@
 """The op table and attention of the nvidia_sm100 backend: Triton kernels, cuBLAS (through torch) for
-dense GEMMs in the default mode, the fixed-tiling Triton GEMM in batch-invariant mode.
+dense GEMMs in the default mode, the fixed-tiling Triton GEMM in batch-invariant mode and for FP8 weights
+(ops.BlockFP8: float8 tiles are widened in registers and each K tile's product takes its block scale).
 
 Imported only after the backend is selected (it imports triton).
 """
@@ -9,11 +10,13 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from deepinfer_core.backend.ops import RoutingConfig
+from deepinfer_core.backend.ops import BlockFP8, RoutingConfig
 from deepinfer_core.reference.ops import ReferenceOps
 from deepinfer_nvidia_sm100.kernels import attention, elementwise, gemm, moe
 
 __all__ = ["NvidiaAttention", "NvidiaOps"]
+
+Weight = torch.Tensor | BlockFP8  # a dense weight, or DeepSeek's FP8 format
 
 
 class NvidiaOps:
@@ -36,8 +39,8 @@ class NvidiaOps:
     ) -> torch.Tensor:
         return elementwise.rotary(x, positions, cos, sin, interleaved=interleaved)
 
-    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        if self.batch_invariant:
+    def linear(self, x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if self.batch_invariant or isinstance(weight, BlockFP8):  # FP8 weights: scaled in the Triton GEMM
             return gemm.matmul(x, weight, bias)
         return F.linear(x, weight, bias)
 
@@ -56,7 +59,7 @@ class NvidiaOps:
         return self._routing.moe_route(router_logits, config, correction_bias)
 
     def expert_ffn(
-        self, x: torch.Tensor, tokens_per_expert: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor
+        self, x: torch.Tensor, tokens_per_expert: torch.Tensor, w13: Weight, w2: Weight
     ) -> torch.Tensor:
         return moe.expert_ffn(x, tokens_per_expert, w13, w2, fixed_tiles=self.batch_invariant)
 

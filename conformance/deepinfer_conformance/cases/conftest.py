@@ -79,3 +79,26 @@ def tiny_v3(tmp_path_factory):
         return made[q_lora_rank]
 
     return make
+
+
+@pytest.fixture(scope="session")
+def tiny_v3_fp8(tiny_v3, tmp_path_factory):
+    """The tiny checkpoint (q_lora_rank 32) in DeepSeek's FP8 format: every 2-D `*_proj` weight stored as
+    float8_e4m3fn with a float32 `_scale_inv` per 128 x 128 block, and a quantization_config."""
+    from safetensors.torch import load_file, save_file
+
+    from deepinfer_core.backend.ops import BlockFP8
+
+    source = tiny_v3(32)
+    tensors = {}
+    for name, tensor in load_file(str(source / "model.safetensors")).items():
+        if tensor.dim() == 2 and name.endswith(("_proj.weight", "_proj_with_mqa.weight")):
+            quantized = BlockFP8.quantize(tensor)
+            tensors[name], tensors[name + "_scale_inv"] = quantized.weight, quantized.scale
+        else:
+            tensors[name] = tensor
+    path = tmp_path_factory.mktemp("tiny-v3-fp8")
+    save_file(tensors, str(path / "model.safetensors"))
+    raw = dict(TINY_V3, q_lora_rank=32, quantization_config={"quant_method": "fp8", "weight_block_size": [128, 128]})
+    (path / "config.json").write_text(json.dumps(raw))
+    return path

@@ -55,7 +55,22 @@ def first_divergence(a, b) -> int:
 def test_greedy_float32(suite, check, tiny_v3, q_lora_rank):
     """float32: identical greedy tokens for every prompt, top logprobs within float32 tolerance."""
     ours, ref = suite.pair(torch.float32)
-    path, batch = tiny_v3(q_lora_rank), prompts()
+    compare_float32(check, tiny_v3(q_lora_rank), ours, ref)
+
+
+def test_greedy_float32_fp8_checkpoint(suite, check, tiny_v3_fp8):
+    """An FP8 block-quantized checkpoint: kept FP8 by a backend that takes the format, dequantized at load
+    for the reference; the same float32 agreement as above."""
+    if "fp8_block" not in suite.capabilities.weight_formats:
+        pytest.skip(f"{suite.under_test.name} does not take FP8 weights: the loader dequantizes them, as for cpu")
+    ours, ref = suite.pair(torch.float32)
+    llm = engine(tiny_v3_fp8, ours)
+    assert any(type(t).__name__ == "BlockFP8" for t in llm.model.layers[1][1].w.values()), "no weight stayed FP8"
+    compare_float32(check, tiny_v3_fp8, ours, ref)
+
+
+def compare_float32(check, path, ours, ref) -> None:
+    batch = prompts()
     got, want = engine(path, ours).generate(batch, greedy()), engine(path, ref).generate(batch, greedy())
     actual, expected, diverged = [], [], []
     for n, g, w in zip(PROMPT_LENGTHS, got, want):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from deepinfer_core.backend.ops import RoutingConfig
+from deepinfer_core.backend.ops import BlockFP8, RoutingConfig
 
 DTYPES = [torch.float32, torch.bfloat16]
 TOKENS = [1, 7, 64, 300]  # batch 1, ragged, a full tile, long
@@ -132,3 +132,43 @@ def test_expert_ffn(suite, check, dtype, counts):
         dtype,
         reduce_dim=hidden,
     )
+
+
+def require_fp8_weights(suite) -> None:
+    if "fp8_block" not in suite.capabilities.weight_formats:
+        pytest.skip(
+            f"{suite.under_test.name} does not take FP8 block-quantized weights (Capabilities.weight_formats "
+            f"lists {', '.join(suite.capabilities.weight_formats) or 'none'}); the loader dequantizes them"
+        )
+
+
+def fp8_weight(*shape: int, seed: int) -> BlockFP8:
+    return BlockFP8.quantize(randn(*shape, seed=seed, scale=0.2))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("tokens", TOKENS)
+def test_linear_fp8_weight(suite, check, dtype, tokens):
+    """linear with a BlockFP8 weight (DeepSeek's FP8 format) against the GEMM of the dequantized weight."""
+    require_fp8_weights(suite)
+    ours, ref = suite.pair(dtype)
+    weight, bias = fp8_weight(200, 384, seed=16), randn(200, seed=17, dtype=dtype)  # cropped last row block
+    x = randn(tokens, 384, seed=18, dtype=dtype)
+    moved = weight.to(ours.torch_device)
+    actual = ours.ops.linear(x.to(ours.torch_device), moved, bias.to(ours.torch_device)).cpu()
+    expected = run(ref, "linear", x, weight, bias)
+    # the reference rounds the dequantized weight to the compute dtype before the GEMM; a kernel may not
+    check.close(actual, expected, dtype, reduce_dim=384, magnitude=float(expected.float().abs().max()))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_expert_ffn_fp8_weights(suite, check, dtype):
+    require_fp8_weights(suite)
+    ours, ref = suite.pair(dtype)
+    counts = [3, 0, 40, 1]
+    x = randn(sum(counts), 256, seed=19, dtype=dtype)
+    w13, w2 = fp8_weight(4, 256, 256, seed=20), fp8_weight(4, 256, 128, seed=21)
+    device = ours.torch_device
+    actual = ours.ops.expert_ffn(x.to(device), torch.tensor(counts).to(device), w13.to(device), w2.to(device)).cpu()
+    expected = run(ref, "expert_ffn", x, torch.tensor(counts), w13, w2)
+    check.close(actual, expected, dtype, reduce_dim=256, magnitude=float(expected.float().abs().max()))

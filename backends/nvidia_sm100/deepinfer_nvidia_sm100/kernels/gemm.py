@@ -12,6 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
+from deepinfer_core.backend.ops import BlockFP8
 from deepinfer_nvidia_sm100.kernels._common import INTERPRET, dot_in_float32, mma
 
 SM_COUNT_HINT = 132  # programs to aim for on one wave; H200 has 132 SMs (a fixed number: results must not vary by GPU)
@@ -19,10 +20,10 @@ SM_COUNT_HINT = 132  # programs to aim for on one wave; H200 has 132 SMs (a fixe
 
 @triton.jit
 def _matmul_kernel(
-    a_ptr, b_ptr, bias_ptr, c_ptr, ws_ptr, M, N, K, K_PER_SPLIT,
-    sa_b, sa_m, sa_k, sb_b, sb_n, sb_k, sc_b, sc_m, sc_n,
-    HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, F32: tl.constexpr,
-    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    a_ptr, b_ptr, bias_ptr, c_ptr, ws_ptr, scale_ptr, M, N, K, K_PER_SPLIT,
+    sa_b, sa_m, sa_k, sb_b, sb_n, sb_k, sc_b, sc_m, sc_n, ss_b, ss_n, ss_k,
+    HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, F32: tl.constexpr, SCALED: tl.constexpr,
+    QBN: tl.constexpr, QBK: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
 ):  # fmt: skip
     pid, batch, split = tl.program_id(0), tl.program_id(1).to(tl.int64), tl.program_id(2)
     num_n = tl.cdiv(N, BN)
@@ -38,7 +39,11 @@ def _matmul_kernel(
         ks = k + rk
         a = tl.load(a_rows + ks[None, :] * sa_k, mask=(rm[:, None] < M) & (ks[None, :] < k_hi), other=0.0)
         b = tl.load(b_cols + ks[:, None] * sb_k, mask=(rn[None, :] < N) & (ks[:, None] < k_hi), other=0.0)
-        acc = mma(a, b, acc, F32)
+        if SCALED:  # FP8 weight: this K tile lies in one scale block (QBK % BK == 0); scale per column
+            scale = tl.load(scale_ptr + batch * ss_b + (rn // QBN) * ss_n + (k // QBK) * ss_k, mask=rn < N, other=0.0)
+            acc += mma(a, b.to(a.dtype), tl.zeros((BM, BN), dtype=tl.float32), F32) * scale[None, :]
+        else:
+            acc = mma(a, b, acc, F32)
     mask = (rm[:, None] < M) & (rn[None, :] < N)
     if SPLIT_K == 1:
         if HAS_BIAS:
@@ -84,8 +89,13 @@ def split_count(n: int, k: int, dtype: torch.dtype) -> int:
     return max(1, min(8, SM_COUNT_HINT // n_tiles, k_tiles // 4))
 
 
-def batched_matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """a [G, M, K] @ b[G, N, K]^T (+ bias [N]) -> [G, M, N] in a.dtype, batch-invariant in M (any strides)."""
+def batched_matmul(
+    a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None, b_scale: BlockFP8 | None = None
+) -> torch.Tensor:
+    """a [G, M, K] @ b[G, N, K]^T (+ bias [N]) -> [G, M, N] in a.dtype, batch-invariant in M (any strides).
+
+    b_scale: b is the float8 weight of this BlockFP8 (with a leading G dim on its scale): each K tile's
+    product is scaled by its block's multiplier, so the weight is never dequantized in memory."""
     groups, m, k = a.shape
     n = b.shape[1]
     out = torch.empty((groups, m, n), dtype=a.dtype, device=a.device)
@@ -95,16 +105,21 @@ def batched_matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None =
         return out.zero_() if bias is None else out.copy_(bias.expand_as(out))
     bias = None if bias is None else bias.contiguous()
     bm, bn, bk, warps = _tiles(a.dtype)
+    qbn, qbk = b_scale.block if b_scale is not None else (1, bk)
+    if qbk % bk:
+        raise ValueError(f"FP8 scale blocks of {qbk} columns are not whole {bk}-column tiles")
+    scale = b_scale.scale.reshape(groups, *b_scale.scale.shape[-2:]) if b_scale is not None else out
     splits = split_count(n, k, a.dtype)
     k_per_split = triton.cdiv(triton.cdiv(k, bk), splits) * bk
     workspace = torch.empty((splits, groups, m, n), dtype=torch.float32, device=a.device) if splits > 1 else out
     stages = {} if INTERPRET else {"num_stages": 3}
     grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn), groups, splits)
+    scale_strides = scale.stride() if b_scale is not None else (0, 0, 0)
     _matmul_kernel[grid](
-        a, b, bias if bias is not None else out, out, workspace, m, n, k, k_per_split,
-        *a.stride(), *b.stride(), *out.stride(),
+        a, b, bias if bias is not None else out, out, workspace, scale, m, n, k, k_per_split,
+        *a.stride(), *b.stride(), *out.stride(), *scale_strides,
         HAS_BIAS=bias is not None and splits == 1, SPLIT_K=splits, F32=dot_in_float32(a.dtype),
-        BM=bm, BN=bn, BK=bk, num_warps=warps, **stages,
+        SCALED=b_scale is not None, QBN=qbn, QBK=qbk, BM=bm, BN=bn, BK=bk, num_warps=warps, **stages,
     )  # fmt: skip
     if splits > 1:
         block = 1024
@@ -115,8 +130,11 @@ def batched_matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None =
     return out
 
 
-def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def matmul(x: torch.Tensor, weight: torch.Tensor | BlockFP8, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] @ weight [N, K]^T (+ bias) -> [..., N], batch-invariant in the leading dims."""
     rows = x.reshape(-1, x.shape[-1])
+    if isinstance(weight, BlockFP8):
+        out = batched_matmul(rows[None], weight.weight[None], bias, b_scale=weight)[0]
+        return out.view(*x.shape[:-1], weight.shape[0])
     out = batched_matmul(rows[None], weight[None], bias)[0]
     return out.view(*x.shape[:-1], weight.shape[0])

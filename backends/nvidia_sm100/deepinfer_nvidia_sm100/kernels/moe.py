@@ -13,6 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
+from deepinfer_core.backend.ops import BlockFP8
 from deepinfer_nvidia_sm100.kernels._common import INTERPRET, dot_in_float32, mma, next_pow2
 from deepinfer_nvidia_sm100.kernels.elementwise import silu_mul_rounded
 
@@ -35,8 +36,9 @@ def _locate_tile(counts_ptr, E, pid_m, BE: tl.constexpr, BM: tl.constexpr):
 
 @triton.jit
 def _gate_up_kernel(
-    x_ptr, w_ptr, counts_ptr, act_ptr, D, INNER, E, sx_m, sw_e, sw_n, sa_m,
-    F32: tl.constexpr, BE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    x_ptr, w_ptr, scale_ptr, counts_ptr, act_ptr, D, INNER, E, sx_m, sw_e, sw_n, ss_e, ss_n, sa_m,
+    F32: tl.constexpr, SCALED: tl.constexpr, QBN: tl.constexpr, QBK: tl.constexpr,
+    BE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
 ):  # fmt: skip
     expert, row0, row_end = _locate_tile(counts_ptr, E, tl.program_id(0), BE, BM)
     if expert >= E:
@@ -53,8 +55,18 @@ def _gate_up_kernel(
         ks = k + rk
         a = tl.load(x_rows + ks[None, :], mask=(rm[:, None] < row_end) & (ks[None, :] < D), other=0.0)
         b_mask = (rn[None, :] < INNER) & (ks[:, None] < D)
-        acc_gate = mma(a, tl.load(gate_cols + ks[:, None], mask=b_mask, other=0.0), acc_gate, F32)
-        acc_up = mma(a, tl.load(up_cols + ks[:, None], mask=b_mask, other=0.0), acc_up, F32)
+        gate = tl.load(gate_cols + ks[:, None], mask=b_mask, other=0.0)
+        up = tl.load(up_cols + ks[:, None], mask=b_mask, other=0.0)
+        if SCALED:  # FP8 weights: scale each K tile's product by its block's multiplier, per column
+            scales = scale_ptr + expert.to(tl.int64) * ss_e + (k // QBK)
+            gate_scale = tl.load(scales + (rn // QBN) * ss_n, mask=rn < INNER, other=0.0)
+            up_scale = tl.load(scales + ((rn + INNER) // QBN) * ss_n, mask=rn < INNER, other=0.0)
+            zeros = tl.zeros((BM, BN), dtype=tl.float32)
+            acc_gate += mma(a, gate.to(a.dtype), zeros, F32) * gate_scale[None, :]
+            acc_up += mma(a, up.to(a.dtype), zeros, F32) * up_scale[None, :]
+        else:
+            acc_gate = mma(a, gate, acc_gate, F32)
+            acc_up = mma(a, up, acc_up, F32)
     dtype = act_ptr.dtype.element_ty
     act = silu_mul_rounded(acc_gate.to(dtype), acc_up.to(dtype), dtype)  # the GEMM output is rounded first
     mask = (rm[:, None] < row_end) & (rn[None, :] < INNER)
@@ -63,8 +75,9 @@ def _gate_up_kernel(
 
 @triton.jit
 def _down_kernel(
-    a_ptr, w_ptr, counts_ptr, out_ptr, D, INNER, E, sa_m, sw_e, sw_n, so_m,
-    F32: tl.constexpr, BE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    a_ptr, w_ptr, scale_ptr, counts_ptr, out_ptr, D, INNER, E, sa_m, sw_e, sw_n, ss_e, ss_n, so_m,
+    F32: tl.constexpr, SCALED: tl.constexpr, QBN: tl.constexpr, QBK: tl.constexpr,
+    BE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
 ):  # fmt: skip
     expert, row0, row_end = _locate_tile(counts_ptr, E, tl.program_id(0), BE, BM)
     if expert >= E:
@@ -79,7 +92,12 @@ def _down_kernel(
         ks = k + rk
         a = tl.load(a_rows + ks[None, :], mask=(rm[:, None] < row_end) & (ks[None, :] < INNER), other=0.0)
         b = tl.load(w_cols + ks[:, None], mask=(rn[None, :] < D) & (ks[:, None] < INNER), other=0.0)
-        acc = mma(a, b, acc, F32)
+        if SCALED:
+            scales = scale_ptr + expert.to(tl.int64) * ss_e + (k // QBK)
+            scale = tl.load(scales + (rn // QBN) * ss_n, mask=rn < D, other=0.0)
+            acc += mma(a, b.to(a.dtype), tl.zeros((BM, BN), dtype=tl.float32), F32) * scale[None, :]
+        else:
+            acc = mma(a, b, acc, F32)
     mask = (rm[:, None] < row_end) & (rn[None, :] < D)
     tl.store(out_ptr + rm[:, None].to(tl.int64) * so_m + rn[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
 
@@ -99,10 +117,16 @@ def _tiles(dtype: torch.dtype, large: bool) -> tuple[int, int, int, int, int]:
 LARGE_ROWS_PER_EXPERT = 512  # from here on the 128 x 128 tiles win (compute-bound, prefill-sized)
 
 
-def expert_ffn(
-    x: torch.Tensor, tokens_per_expert: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, fixed_tiles: bool = True
-) -> torch.Tensor:
-    """x [N, D] rows sorted by expert, tokens_per_expert [E], w13 [E, 2I, D], w2 [E, D, I] -> [N, D].
+def _weight_args(w) -> tuple[torch.Tensor, torch.Tensor | None, tuple[int, int]]:
+    """(weight, scale or None, quant block) of a dense or BlockFP8 expert weight [E, N, K]."""
+    if isinstance(w, BlockFP8):
+        return w.weight.contiguous(), w.scale.contiguous(), w.block
+    return w.contiguous(), None, (1, 1)
+
+
+def expert_ffn(x: torch.Tensor, tokens_per_expert: torch.Tensor, w13, w2, fixed_tiles: bool = True) -> torch.Tensor:
+    """x [N, D] rows sorted by expert, tokens_per_expert [E], w13 [E, 2I, D], w2 [E, D, I] -> [N, D];
+    either weight may be a BlockFP8 (its scale blocks must span whole K tiles).
 
     fixed_tiles=False lets the tile size follow the number of rows (faster prefill, not batch-invariant)."""
     rows, hidden = x.shape
@@ -110,21 +134,33 @@ def expert_ffn(
     out = torch.empty((rows, hidden), dtype=x.dtype, device=x.device)
     if rows == 0:
         return out
-    x, w13, w2 = x.contiguous(), w13.contiguous(), w2.contiguous()
+    x = x.contiguous()
+    (w13, s13, q13), (w2, s2, q2) = _weight_args(w13), _weight_args(w2)
     act = torch.empty((rows, inner), dtype=x.dtype, device=x.device)
     large = not fixed_tiles and rows >= LARGE_ROWS_PER_EXPERT * experts
     bm, bn, bk, warps, stages = _tiles(x.dtype, large)
+    for scale, block in ((s13, q13), (s2, q2)):
+        if scale is not None and block[1] % bk:
+            raise ValueError(f"FP8 scale blocks of {block[1]} columns are not whole {bk}-column tiles")
     row_tiles = triton.cdiv(rows, bm) + experts
     common = dict(F32=dot_in_float32(x.dtype), BE=next_pow2(experts), BM=bm, BN=bn, BK=bk, num_warps=warps)
     if not INTERPRET:
         common["num_stages"] = stages
     counts = tokens_per_expert.to(device=x.device).contiguous()
+
+    def scale_args(scale, block):
+        if scale is None:
+            return (out, 0, 0), dict(SCALED=False, QBN=1, QBK=1)
+        return (scale, scale.stride(0), scale.stride(1)), dict(SCALED=True, QBN=block[0], QBK=block[1])
+
+    (sp13, se13, sn13), flags13 = scale_args(s13, q13)
     _gate_up_kernel[(row_tiles, triton.cdiv(inner, bn))](
-        x, w13, counts, act, hidden, inner, experts, x.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
-        **common,
-    )
+        x, w13, sp13, counts, act, hidden, inner, experts, x.stride(0), w13.stride(0), w13.stride(1), se13, sn13,
+        act.stride(0), **flags13, **common,
+    )  # fmt: skip
+    (sp2, se2, sn2), flags2 = scale_args(s2, q2)
     _down_kernel[(row_tiles, triton.cdiv(hidden, bn))](
-        act, w2, counts, out, hidden, inner, experts, act.stride(0), w2.stride(0), w2.stride(1), out.stride(0),
-        **common,
-    )
+        act, w2, sp2, counts, out, hidden, inner, experts, act.stride(0), w2.stride(0), w2.stride(1), se2, sn2,
+        out.stride(0), **flags2, **common,
+    )  # fmt: skip
     return out
