@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["gumbel_noise", "hash_counters"]
+__all__ = ["gumbel_noise", "hash_counters", "row_hashes"]
 
 _MASK32 = 0xFFFFFFFF
 
@@ -27,13 +27,19 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
-def hash_counters(seeds: torch.Tensor, steps: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """32-bit hashes [B, V] (int64 holding uint32) of (seed [B], step [B], token id 0..V-1)."""
+def row_hashes(seeds: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
+    """The per-row part of the hash: mix(mix(mix(seed_hi) ^ seed_lo) ^ step) [B], int64 holding uint32.
+    A token's hash is then mix(row_hash ^ token id) (what a noise kernel computes per element)."""
     seeds = seeds.to(torch.int64)
     seed_lo = seeds & _MASK32
     seed_hi = (seeds >> 32) & _MASK32
     h = _mix32(_mix32(seed_hi) ^ seed_lo)
-    h = _mix32(h ^ (steps.to(torch.int64) & _MASK32))  # [B]
+    return _mix32(h ^ (steps.to(torch.int64) & _MASK32))  # [B]
+
+
+def hash_counters(seeds: torch.Tensor, steps: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """32-bit hashes [B, V] (int64 holding uint32) of (seed [B], step [B], token id 0..V-1)."""
+    h = row_hashes(seeds, steps)
     tokens = torch.arange(vocab_size, dtype=torch.int64, device=seeds.device)  # [V]
     return _mix32(h[:, None] ^ tokens[None, :])  # [B, V]
 

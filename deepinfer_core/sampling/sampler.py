@@ -16,7 +16,7 @@ that do not ship their own sampler kernels. Order of operations, per request:
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -168,7 +168,15 @@ def filter_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
 
 
 class TorchSampler:
-    """The reference sampler: plain tensor ops, runs on any torch device."""
+    """The reference sampler: plain tensor ops, runs on any torch device.
+
+    noise: the Gumbel noise function (seeds [B], steps [B], vocab size) -> [B, V] float32; a backend may
+    pass a kernel of its own, which must return the bits of `gumbel_noise` (the conformance suite checks
+    that seeded tokens match the reference's).
+    """
+
+    def __init__(self, noise: Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor] = gumbel_noise) -> None:
+        self.noise = noise
 
     def sample(self, logits: torch.Tensor, batch: SamplingBatch) -> SampleOutput:
         logits = logits.float()
@@ -177,7 +185,7 @@ class TorchSampler:
         penalized = apply_penalties(logits, batch) if batch.any_penalty else logits
         token_ids = penalized.argmax(dim=1)
         if batch.any_random:  # an all-greedy batch needs no filtering and no noise
-            noisy = filter_logits(penalized, batch) + gumbel_noise(batch.seeds, batch.steps, logits.shape[1])
+            noisy = filter_logits(penalized, batch) + self.noise(batch.seeds, batch.steps, logits.shape[1])
             token_ids = torch.where(batch.temperature > 0, noisy.argmax(dim=1), token_ids)
         top_logprobs, top_ids = raw_logprobs.topk(batch.num_logprobs, dim=1)
         return SampleOutput(

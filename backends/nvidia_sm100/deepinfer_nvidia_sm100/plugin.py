@@ -124,3 +124,11 @@ def deepinfer_backend_graph_capture(device):
     from deepinfer_nvidia_sm100.graphs import CudaGraphCapture
 
     return CudaGraphCapture(torch.device(device.torch_device))
+
+
+@hookimpl
+def deepinfer_backend_sampler():
+    from deepinfer_core.sampling.sampler import TorchSampler
+    from deepinfer_nvidia_sm100.kernels.noise import gumbel_noise
+
+    return TorchSampler(noise=gumbel_noise)  # core's semantics, the noise from one fused kernel
