@@ -11,8 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from deepinfer_core.backend.ops import BlockFP8, RoutingConfig
-from deepinfer_core.reference.ops import ReferenceOps
-from deepinfer_nvidia_sm100.kernels import attention, elementwise, gemm, moe
+from deepinfer_nvidia_sm100.kernels import attention, elementwise, gemm, moe, routing
 
 __all__ = ["NvidiaAttention", "NvidiaOps"]
 
@@ -29,7 +28,6 @@ class NvidiaOps:
 
     def __init__(self, batch_invariant: bool = False) -> None:
         self.batch_invariant = batch_invariant
-        self._routing = ReferenceOps()  # routing is a handful of row-wise tensor ops: torch's own kernels
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return elementwise.rms_norm(x, weight, eps)
@@ -56,7 +54,7 @@ class NvidiaOps:
     def moe_route(
         self, router_logits: torch.Tensor, config: RoutingConfig, correction_bias: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        return self._routing.moe_route(router_logits, config, correction_bias)
+        return routing.moe_route(router_logits, config, correction_bias)
 
     def expert_ffn(
         self, x: torch.Tensor, tokens_per_expert: torch.Tensor, w13: Weight, w2: Weight
