@@ -102,15 +102,18 @@ def _down_kernel(
     tl.store(out_ptr + rm[:, None].to(tl.int64) * so_m + rn[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def _tiles(dtype: torch.dtype, large: bool) -> tuple[int, int, int, int, int]:
-    """(BM, BN, BK, num_warps, num_stages). `large` picks bigger tiles for many rows per expert (prefill);
-    batch-invariant mode never asks for them, so there the tiling is fixed per dtype."""
+def _tiles(dtype: torch.dtype, size: str) -> tuple[int, int, int, int, int]:
+    """(BM, BN, BK, num_warps, num_stages). `size` "large" picks bigger tiles for many rows per expert
+    (prefill), "narrow" narrower column tiles when fewer rows than experts leave most programs idle (small
+    decode batches); batch-invariant mode asks for neither, so there the tiling is fixed per dtype."""
     if INTERPRET:
         return 16, 32, 32, 4, 1
     if dtype == torch.float32:
         return 64, 32, 32, 4, 2
-    if large:
+    if size == "large":
         return 128, 128, 64, 8, 3
+    if size == "narrow":
+        return 64, 32, 64, 4, 4
     return 64, 64, 64, 4, 4
 
 
@@ -137,8 +140,10 @@ def expert_ffn(x: torch.Tensor, tokens_per_expert: torch.Tensor, w13, w2, fixed_
     x = x.contiguous()
     (w13, s13, q13), (w2, s2, q2) = _weight_args(w13), _weight_args(w2)
     act = torch.empty((rows, inner), dtype=x.dtype, device=x.device)
-    large = not fixed_tiles and rows >= LARGE_ROWS_PER_EXPERT * experts
-    bm, bn, bk, warps, stages = _tiles(x.dtype, large)
+    size = "fixed"
+    if not fixed_tiles:
+        size = "large" if rows >= LARGE_ROWS_PER_EXPERT * experts else "narrow" if rows < experts else "fixed"
+    bm, bn, bk, warps, stages = _tiles(x.dtype, size)
     for scale, block in ((s13, q13), (s2, q2)):
         if scale is not None and block[1] % bk:
             raise ValueError(f"FP8 scale blocks of {block[1]} columns are not whole {bk}-column tiles")
