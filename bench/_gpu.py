@@ -1,19 +1,13 @@
-"""Helpers of gpu_decode.py: configs, random weights on the device, the transformers twin, rates and bounds.
-
-Device-agnostic: the device is whatever the chosen backend runs on; torch.cuda is touched only when
-that device is a CUDA device (bench/ may name vendors, deepinfer_core/ may not).
-"""
+"""Models of gpu_decode.py: configs, random weights on the backend's device, their FP8 copy, the transformers twin."""
 
 from __future__ import annotations
 
-import importlib.metadata
-import math
-import time
-
 import torch
 
+from deepinfer_core.backend.ops import BlockFP8
 from deepinfer_core.model.config import DeepseekConfig
-from deepinfer_core.model.deepseek_v3 import FLOAT32_WEIGHTS, expected_weights
+from deepinfer_core.model.deepseek_v3 import FLOAT32_WEIGHTS, FP8_WEIGHTS, DeepseekV3Model, expected_weights
+from deepinfer_core.model.layers import DenseMLP, MLAttention, MoE
 
 # DeepSeek-V2-Lite's dimensions, spelled as a DeepSeek-V3 config (V3 routing: sigmoid + bias, one group).
 V2_LITE_CONFIG = {
@@ -63,6 +57,9 @@ TINY_CONFIG = {
     "n_routed_experts": 8,
     "num_experts_per_tok": 2,
 }
+# The FP8 agreement check's config: TINY_CONFIG widened so that every FP8 weight stays FP8 in the model,
+# the gate | up expert stacks included (BlockFP8.concat_rows dequantizes rows that are not whole 128-row blocks).
+TINY_FP8_CONFIG = {**TINY_CONFIG, "hidden_size": 128, "intermediate_size": 256, "moe_intermediate_size": 128}
 
 
 # ---- weights --------------------------------------------------------------------------------------
@@ -158,276 +155,45 @@ def hf_model(raw_config: dict, state: dict, device: torch.device):
     return model.requires_grad_(False).eval()
 
 
-# ---- device -------------------------------------------------------------------------------------
+# ---- FP8 ----------------------------------------------------------------------------------------
 
 
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+def quantize_fp8(weights: dict, max_elements: int = 1 << 26) -> dict:
+    """`weights` with every FP8_WEIGHTS match replaced by BlockFP8.quantize(w), on w's device; others are the
+    same tensors (shared, not copied). A weight over `max_elements` is quantized in chunks of whole 128-row
+    blocks (the same result), bounding the float32 temporaries of the quantization."""
+    with torch.no_grad():
+        return {name: _quantize(w, max_elements) if FP8_WEIGHTS.search(name) else w for name, w in weights.items()}
 
 
-def device_info(device: torch.device) -> dict:
-    if device.type != "cuda":
-        return {"type": device.type}
-    props = torch.cuda.get_device_properties(device)
-    driver = "unknown"
-    try:
-        with open("/proc/driver/nvidia/version") as f:
-            driver = next(w for w in f.readline().split() if w[0].isdigit() and "." in w)
-    except (OSError, StopIteration):
-        pass
-    return {
-        "type": "cuda",
-        "gpu_name": props.name,
-        "driver": driver,
-        "cuda_runtime": torch.version.cuda,
-        "compute_capability": f"{props.major}.{props.minor}",
-        "sms": props.multi_processor_count,
-        "total_memory_bytes": props.total_memory,
-    }
+def _quantize(weight: torch.Tensor, max_elements: int, block: tuple[int, int] = (128, 128)) -> BlockFP8:
+    rows = weight.shape[-2]
+    per_row = max(1, weight.numel() // max(1, rows))
+    chunk = max(block[0], max_elements // per_row // block[0] * block[0])
+    if rows <= chunk:
+        return BlockFP8.quantize(weight, block)
+    parts = [BlockFP8.quantize(weight[..., i : i + chunk, :], block) for i in range(0, rows, chunk)]
+    return BlockFP8(torch.cat([p.weight for p in parts], -2), torch.cat([p.scale for p in parts], -2), block)
 
 
-def extra_versions() -> dict:
-    def version(dist: str) -> str | None:
-        try:
-            return importlib.metadata.version(dist)
-        except importlib.metadata.PackageNotFoundError:
-            return None
-
-    return {"triton": version("triton") or version("pytorch-triton"), "matplotlib": version("matplotlib")}
+def dequantized(weights: dict, dtype: torch.dtype) -> dict:
+    """The values the BlockFP8 entries of `weights` stand for, in `dtype` (the model a loader dequantizes)."""
+    return {name: w.dequantize(dtype) if isinstance(w, BlockFP8) else w for name, w in weights.items()}
 
 
-def _timed(fn, device: torch.device, repeats: int) -> list[float]:
-    fn()
-    sync(device)
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        sync(device)
-        times.append(time.perf_counter() - t0)
-    return times
+def fp8_held(model: DeepseekV3Model) -> dict:
+    """How many BlockFP8 tensors the model's layers hold, and their bytes (FP8 values + float32 scales)."""
+    held = []
 
+    def walk(obj) -> None:
+        if isinstance(obj, BlockFP8):
+            held.append(obj)
+        elif isinstance(obj, dict | list | tuple):
+            for item in obj.values() if isinstance(obj, dict) else obj:
+                walk(item)
+        elif isinstance(obj, DenseMLP | MoE | MLAttention):
+            walk(vars(obj))
 
-def measure_copy_bandwidth(device: torch.device, mebibytes: int, repeats: int = 10) -> dict:
-    """Median device-to-device copy of a large buffer; bytes counted as read + write."""
-    src = torch.empty(mebibytes << 20, dtype=torch.uint8, device=device).fill_(1)
-    dst = torch.empty_like(src)
-    times = _timed(lambda: dst.copy_(src), device, repeats)
-    median = sorted(times)[len(times) // 2]
-    return {
-        "buffer_bytes": mebibytes << 20,
-        "repeats": repeats,
-        "median_seconds": median,
-        "gb_per_s": 2 * (mebibytes << 20) / median / 1e9,
-    }
-
-
-def measure_gemm(device: torch.device, dtype: torch.dtype, size: int, repeats: int = 10, inner: int = 5) -> dict:
-    """Median rate of a size^3 matmul on random data (each sample runs `inner` matmuls back to back)."""
-    a = torch.randn(size, size, device=device, dtype=dtype)
-    b = torch.randn(size, size, device=device, dtype=dtype)
-
-    def run():
-        for _ in range(inner):
-            a @ b
-
-    times = _timed(run, device, repeats)
-    median = sorted(times)[len(times) // 2] / inner
-    return {
-        "shape": [size, size, size],
-        "dtype": str(dtype).removeprefix("torch."),
-        "median_seconds": median,
-        "tflop_per_s": 2 * size**3 / median / 1e12,
-    }
-
-
-# ---- bounds -------------------------------------------------------------------------------------
-
-
-def model_sizes(cfg: DeepseekConfig, dtype: torch.dtype) -> dict:
-    """Parameter counts and bytes by kind, from the shapes our model reads."""
-    sizes = {"embedding": 0, "lm_head": 0, "routed_experts": 0, "other": 0}
-    other_bytes = 0
-    for name, shape in expected_weights(cfg).items():
-        numel = math.prod(shape)
-        if name == "model.embed_tokens.weight":
-            sizes["embedding"] += numel
-        elif name == "lm_head.weight":
-            sizes["lm_head"] += numel
-        elif ".mlp.experts." in name:
-            sizes["routed_experts"] += numel
-        else:
-            sizes["other"] += numel  # attention, dense MLP, shared experts, norms, routers
-            other_bytes += numel * (4 if FLOAT32_WEIGHTS.search(name) else dtype.itemsize)
-    moe_layers = sum(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers))
-    expert_params = sizes["routed_experts"] // max(1, moe_layers * cfg.n_routed_experts)
-    lm_head = sizes["lm_head"] or sizes["embedding"]  # tied: the embedding doubles as the head
-    top_k = cfg.routing.top_k if cfg.routing else 0
-    return {
-        "params": sizes,
-        "params_total": sum(sizes.values()),
-        "moe_layers": moe_layers,
-        "params_per_expert": expert_params,
-        "active_params_per_token": sizes["other"] + lm_head + moe_layers * top_k * expert_params,
-        "other_bytes": other_bytes,
-        "lm_head_params": lm_head,
-        "itemsize": dtype.itemsize,
-    }
-
-
-def decode_step_bound(cfg: DeepseekConfig, sizes: dict, batch: int, context: float, bw: float, flops_s: float) -> dict:
-    """Lower bound on one decode step of `batch` sequences of mean `context` tokens."""
-    experts, top_k = cfg.n_routed_experts, cfg.routing.top_k if cfg.routing else 0
-    touched = experts * (1 - (1 - top_k / experts) ** batch) if experts else 0.0  # uniform-routing expectation
-    item = sizes["itemsize"]
-    weight_bytes = (
-        sizes["other_bytes"]
-        + sizes["lm_head_params"] * item
-        + sizes["moe_layers"] * touched * sizes["params_per_expert"] * item
-        + batch * cfg.hidden_size * item  # the embedding rows gathered
-    )
-    kv_bytes = batch * context * cfg.latent_dim * item * cfg.num_hidden_layers  # the MLA latents, read once
-    # flops: 2 per active weight per token, plus absorbed-MLA attention over the latents:
-    # scores 2 * H * ctx * (C + R) and output 2 * H * ctx * C per token per layer
-    heads, c = cfg.num_attention_heads, cfg.kv_lora_rank
-    attention = 2 * heads * context * (cfg.latent_dim + c) * cfg.num_hidden_layers
-    flops = batch * (2 * sizes["active_params_per_token"] + attention)
-    memory_s, compute_s = (weight_bytes + kv_bytes) / bw, flops / flops_s
-    return {
-        "expected_experts_touched_per_layer": touched,
-        "weight_bytes": weight_bytes,
-        "kv_bytes": kv_bytes,
-        "flops": flops,
-        "memory_bound_ms": 1e3 * memory_s,
-        "compute_bound_ms": 1e3 * compute_s,
-        "bound_ms": 1e3 * max(memory_s, compute_s),
-        "bound_tokens_per_s": batch / max(memory_s, compute_s),
-    }
-
-
-def prefill_bound(cfg: DeepseekConfig, sizes: dict, prompts: int, length: int, flops_s: float, bw: float) -> dict:
-    """Lower bound on prefilling `prompts` x `length` tokens (one next-token logit row per prompt).
-
-    flops = 2 * (active params per token - lm_head) * tokens + 2 * lm_head * prompts
-          + layers * heads * 2 * (qk_head_dim + v_head_dim) * prompts * length * (length + 1) / 2
-    (causal attention in the non-absorbed form, the cheaper one for prefill; kv_b_proj is in the params).
-    """
-    tokens = prompts * length
-    head_params = sizes["lm_head_params"]
-    dense = 2 * (sizes["active_params_per_token"] - head_params) * tokens + 2 * head_params * prompts
-    attention = (
-        cfg.num_hidden_layers
-        * cfg.num_attention_heads
-        * 2
-        * (cfg.qk_head_dim + cfg.v_head_dim)
-        * prompts
-        * length
-        * (length + 1)
-        / 2
-    )
-    all_weight_bytes = (
-        sizes["other_bytes"] + (sizes["lm_head_params"] + sizes["params"]["routed_experts"]) * sizes["itemsize"]
-    )
-    compute_s, memory_s = (dense + attention) / flops_s, all_weight_bytes / bw
-    return {
-        "tokens": tokens,
-        "flops": dense + attention,
-        "attention_flops": attention,
-        "compute_bound_ms": 1e3 * compute_s,
-        "memory_bound_ms": 1e3 * memory_s,
-        "bound_ms": 1e3 * max(compute_s, memory_s),
-        "bound_tokens_per_s": tokens / max(compute_s, memory_s),
-    }
-
-
-def summarise(report: dict, cfg: DeepseekConfig, dtype: torch.dtype) -> None:
-    """Add the bounds, each result's fraction of its bound, and the cross-system comparisons to `report`."""
-    work, sizes = report["workload"], report["params"]
-    bw = report["measurements"]["copy_bandwidth"]["gb_per_s"] * 1e9
-    peak = report["measurements"]["gemm"]["tflop_per_s"] * 1e12
-    context = work["prompt_len"] + work["new_tokens"] / 2  # mean context over the decode steps
-    bound = {str(b): decode_step_bound(cfg, sizes, b, context, bw, peak) for b in work["batches"]}
-    prefill = prefill_bound(cfg, sizes, *work["prefill"], peak, bw)
-    report["bound"] = {
-        "note": "decode, per step: (weights read: all non-expert weights, the lm_head, and E(1 - (1 - k/E)^B) "
-        "routed experts per MoE layer, the expected number touched under UNIFORM routing; plus the MLA latent KV, "
-        f"B x ctx x {cfg.latent_dim} x layers, at the mean decode context ctx = {context}) / measured copy "
-        "bandwidth; compute = flops / measured GEMM peak; bound = the larger. Prefill: flops (formula in "
-        "prefill_bound, bench/_gpu.py) / GEMM peak, or all weights once / bandwidth if larger.",
-        "decode": bound,
-        "prefill": prefill,
-    }
-    decode = report["decode"]
-    for per_batch in decode.values():
-        for b, r in per_batch.items():
-            r["fraction_of_bound"] = bound[b]["bound_ms"] / r["ms_per_step"]
-            r["fraction_of_memory_bound"] = bound[b]["memory_bound_ms"] / r["ms_per_step"]
-    for r in report["prefill"].values():
-        r["tokens_per_s"] = r["tokens"] / r["seconds"]
-        r["tflop_per_s"] = prefill["flops"] / r["seconds"] / 1e12
-        r["fraction_of_bound"] = prefill["bound_ms"] / 1e3 / r["seconds"]
-    comparisons = {
-        "speedup_vs_hf": {},
-        "batch_invariant_over_default_throughput": {},
-        "token_match_vs_hf": {},
-        "token_match_batch_invariant_vs_default": {},
-    }
-    hf, invariant = decode.get("hf", {}), decode.get("ours_batch_invariant", {})
-    for b, r in decode.get("ours_default", {}).items():
-        if b in hf:
-            comparisons["speedup_vs_hf"][b] = hf[b]["ms_per_step"] / r["ms_per_step"]
-            comparisons["token_match_vs_hf"][b] = token_match(r["tokens"], hf[b]["tokens"])
-        if b in invariant:
-            comparisons["batch_invariant_over_default_throughput"][b] = invariant[b]["tokens_per_s"] / r["tokens_per_s"]
-            comparisons["token_match_batch_invariant_vs_default"][b] = token_match(invariant[b]["tokens"], r["tokens"])
-    comparisons["note"] = (
-        "token_match_*: greedy tokens of the timed runs (same prompts, benchmark dtype); informational"
-    )
-    report["comparisons"] = comparisons
-    for per_batch in decode.values():
-        for r in per_batch.values():
-            r.pop("tokens")
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
-
-
-def token_match(a: list[list[int]], b: list[list[int]]) -> dict:
-    """How alike two runs' greedy tokens are (same prompts, same order)."""
-    same = sum(x == y for row_a, row_b in zip(a, b) for x, y in zip(row_a, row_b))
-    return {
-        "identical_token_fraction": same / sum(len(row) for row in a),
-        "identical_sequences": sum(row_a == row_b for row_a, row_b in zip(a, b)),
-        "sequences": len(a),
-    }
-
-
-def write_plot(path, decode: dict, bound: dict, title: str) -> dict:
-    """ms per decode step against batch for each system and the HBM bound (log-log); PNG via Agg."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return {"written": False, "reason": "matplotlib is not installed"}
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    labels = {"ours_default": "DeepInfer", "ours_batch_invariant": "DeepInfer, batch-invariant", "hf": "transformers"}
-    for name, label in labels.items():
-        points = sorted((int(b), r["ms_per_step"]) for b, r in decode.get(name, {}).items())
-        if points:
-            ax.plot(*zip(*points), marker="o", label=label)
-    bound_points = sorted((int(b), v["memory_bound_ms"]) for b, v in bound.items())
-    ax.plot(*zip(*bound_points), "k--", label="memory bound (weights + KV read / measured copy bandwidth)")
-    ax.set(xscale="log", yscale="log", xlabel="batch (sequences)", ylabel="ms per decode step", title=title)
-    ax.set_xticks([b for b, _ in bound_points], [str(b) for b, _ in bound_points])
-    ax.minorticks_off()
-    ax.legend()
-    ax.grid(True, which="both", alpha=0.3)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120, bbox_inches="tight")
-    plt.close(fig)
-    return {"written": True, "path": str(path)}
+    walk(model.layers)
+    nbytes = sum(t.weight.numel() * t.weight.element_size() + t.scale.numel() * t.scale.element_size() for t in held)
+    return {"tensors": len(held), "bytes": nbytes}
