@@ -12,7 +12,7 @@ import triton.language as tl
 from deepinfer_core.backend.ops import RoutingConfig
 from deepinfer_nvidia_sm100.kernels._common import next_pow2
 
-NEG_INF = float("-inf")
+NEG_INF = tl.constexpr(float("-inf"))  # a global a kernel reads must be a constexpr
 
 
 @triton.jit
