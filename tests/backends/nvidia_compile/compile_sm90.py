@@ -1,0 +1,105 @@
+"""Compile every nvidia_sm100 kernel launch for SM90 (Hopper) on a machine without a GPU.
+
+Run as a script (not under Triton's interpreter): each launcher is called with small CPU tensors, and
+the kernel launch is replaced by `triton.compile` of the same kernel, argument types and constexprs
+for a CUDA compute-capability-9.0 target, down to a cubin (Triton ships ptxas). Catches what the
+interpreter accepts but the compiler refuses. Prints one line per compiled kernel variant.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from triton.runtime.jit import JITFunction
+
+TARGET = GPUTarget("cuda", 90, 32)
+POINTER_TYPES = {
+    torch.float32: "*fp32",
+    torch.bfloat16: "*bf16",
+    torch.float16: "*fp16",
+    torch.int64: "*i64",
+    torch.int32: "*i32",
+    torch.float8_e4m3fn: "*fp8e4nv",
+}
+compiled: list[str] = []
+
+
+def _type_of(value) -> str:
+    if isinstance(value, torch.Tensor):
+        return POINTER_TYPES[value.dtype]
+    if isinstance(value, bool):
+        return "i1"
+    if isinstance(value, int):
+        return "i64" if not -(2**31) <= value < 2**31 else "i32"
+    if isinstance(value, float):
+        return "fp32"
+    raise TypeError(f"cannot type kernel argument {value!r}")
+
+
+def compile_instead(self: JITFunction, *args, grid, warmup, **kwargs):
+    bound = dict(zip(self.arg_names, args))
+    bound.update({k: v for k, v in kwargs.items() if k in self.arg_names})
+    signature, constexprs = {}, {}
+    for param in self.params:
+        value = bound[param.name]
+        if param.is_constexpr:
+            signature[param.name], constexprs[param.name] = "constexpr", value
+        else:
+            signature[param.name] = _type_of(value)
+    options = {k: kwargs[k] for k in ("num_warps", "num_stages") if k in kwargs}
+    kernel = triton.compile(ASTSource(self, signature, constexprs), target=TARGET, options=options)
+    assert "cubin" in kernel.asm, f"{self.__name__}: no cubin"
+    compiled.append(f"{self.__name__} {sorted(constexprs.items())}")
+
+
+def launch_everything() -> None:
+    from deepinfer_core.backend.ops import AttentionMetadata, BlockFP8, RoutingConfig
+    from deepinfer_core.kv.layout import CacheKind, CacheSpec
+    from deepinfer_nvidia_sm100.kernels import attention, elementwise, gemm, moe, noise, routing
+
+    for dtype in (torch.bfloat16, torch.float32):
+        x = torch.randn(8, 2048).to(dtype)
+        elementwise.rms_norm(x, torch.ones(2048, dtype=dtype), 1e-6)
+        elementwise.rotary(torch.randn(8, 16, 64).to(dtype), torch.arange(8), torch.ones(64, 32), torch.zeros(64, 32),
+                           interleaved=True)  # fmt: skip
+        elementwise.rotary(torch.randn(8, 1, 64).to(dtype), torch.arange(8), torch.ones(64, 32), torch.zeros(64, 32),
+                           interleaved=False)  # fmt: skip
+        elementwise.silu_and_mul(torch.randn(8, 2816).to(dtype))
+        gemm.matmul(x, torch.randn(576, 2048).to(dtype), torch.randn(576).to(dtype))  # split-K and bias
+        gemm.matmul(x, torch.randn(8192, 2048).to(dtype))  # no split
+        gemm.batched_matmul(torch.randn(16, 8, 128).to(dtype), torch.randn(16, 512, 128).to(dtype))
+        gemm.matmul(x, BlockFP8.quantize(torch.randn(576, 2048)))  # FP8 weight
+        w13, w2 = torch.randn(4, 256, 256).to(dtype), torch.randn(4, 256, 128).to(dtype)
+        for rows in (2, 8, 4 * 512):  # narrow (fewer rows than experts), fixed and large tiles
+            counts = torch.full((4,), rows // 4, dtype=torch.int64)
+            counts[0] += rows - int(counts.sum())
+            moe.expert_ffn(torch.randn(rows, 256).to(dtype), counts, w13, w2, fixed_tiles=False)
+        moe.expert_ffn(torch.randn(8, 256).to(dtype), counts, BlockFP8.quantize(w13.float()),
+                       BlockFP8.quantize(w2.float()))  # fmt: skip
+        for heads, kv_heads, entry, key, offset, value in ((16, 1, 576, 576, 0, 512), (4, 2, 64, 32, 32, 32)):
+            spec = CacheSpec(CacheKind.PAGED, dtype, num_heads=kv_heads, head_dim=entry)
+            tables = torch.zeros(2, 4, dtype=torch.int64)
+            meta = AttentionMetadata(torch.tensor([0, 3, 4]), torch.tensor([10, 7]), tables, torch.arange(4))
+            cache = torch.zeros(64, kv_heads, entry, dtype=dtype)
+            attention.paged_attention(torch.randn(4, heads, key).to(dtype), cache, spec, meta, 16, scale=0.1,
+                                      value_dim=value, value_offset=offset)  # fmt: skip
+    for config in (
+        RoutingConfig(num_experts=64, top_k=6, method="noaux_tc", scoring="sigmoid", normalize=True),
+        RoutingConfig(num_experts=256, top_k=8, method="noaux_tc", scoring="sigmoid", num_groups=8, topk_groups=4),
+        RoutingConfig(num_experts=64, top_k=6, method="group_limited_greedy", num_groups=8, topk_groups=3),
+        RoutingConfig(num_experts=16, top_k=4),
+    ):
+        bias = torch.zeros(config.num_experts) if config.method == "noaux_tc" else None
+        routing.moe_route(torch.randn(5, config.num_experts), config, bias)
+    noise.gumbel_noise(torch.tensor([1, 2]), torch.tensor([0, 5]), 102400)
+
+
+if __name__ == "__main__":
+    JITFunction.run = compile_instead
+    launch_everything()
+    print("\n".join(compiled))
+    print(f"{len(compiled)} kernel variants compiled for sm_90", file=sys.stderr)
