@@ -39,11 +39,10 @@ def _matmul_kernel(
         ks = k + rk
         a = tl.load(a_rows + ks[None, :] * sa_k, mask=(rm[:, None] < M) & (ks[None, :] < k_hi), other=0.0)
         b = tl.load(b_cols + ks[:, None] * sb_k, mask=(rn[None, :] < N) & (ks[:, None] < k_hi), other=0.0)
-        if SCALED:  # FP8 weight: this K tile lies in one scale block (QBK % BK == 0); scale per column
+        if SCALED:  # FP8 weight: dequantize the tile in registers (its K range lies in one scale block)
             scale = tl.load(scale_ptr + batch * ss_b + (rn // QBN) * ss_n + (k // QBK) * ss_k, mask=rn < N, other=0.0)
-            acc += mma(a, b.to(a.dtype), tl.zeros((BM, BN), dtype=tl.float32), F32) * scale[None, :]
-        else:
-            acc = mma(a, b, acc, F32)
+            b = (b.to(tl.float32) * scale[None, :]).to(a.dtype)
+        acc = mma(a, b, acc, F32)
     mask = (rm[:, None] < M) & (rn[None, :] < N)
     if SPLIT_K == 1:
         if HAS_BIAS:
@@ -94,8 +93,8 @@ def batched_matmul(
 ) -> torch.Tensor:
     """a [G, M, K] @ b[G, N, K]^T (+ bias [N]) -> [G, M, N] in a.dtype, batch-invariant in M (any strides).
 
-    b_scale: b is the float8 weight of this BlockFP8 (with a leading G dim on its scale): each K tile's
-    product is scaled by its block's multiplier, so the weight is never dequantized in memory."""
+    b_scale: b is the float8 weight of this BlockFP8 (with a leading G dim on its scale): each weight tile
+    is dequantized in registers (rounded to a.dtype, as a dequantize-then-GEMM would), never in memory."""
     groups, m, k = a.shape
     n = b.shape[1]
     out = torch.empty((groups, m, n), dtype=a.dtype, device=a.device)

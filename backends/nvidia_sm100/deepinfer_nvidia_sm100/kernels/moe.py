@@ -57,16 +57,14 @@ def _gate_up_kernel(
         b_mask = (rn[None, :] < INNER) & (ks[:, None] < D)
         gate = tl.load(gate_cols + ks[:, None], mask=b_mask, other=0.0)
         up = tl.load(up_cols + ks[:, None], mask=b_mask, other=0.0)
-        if SCALED:  # FP8 weights: scale each K tile's product by its block's multiplier, per column
+        if SCALED:  # FP8 weights: dequantize the tiles in registers with their blocks' multipliers
             scales = scale_ptr + expert.to(tl.int64) * ss_e + (k // QBK)
             gate_scale = tl.load(scales + (rn // QBN) * ss_n, mask=rn < INNER, other=0.0)
             up_scale = tl.load(scales + ((rn + INNER) // QBN) * ss_n, mask=rn < INNER, other=0.0)
-            zeros = tl.zeros((BM, BN), dtype=tl.float32)
-            acc_gate += mma(a, gate.to(a.dtype), zeros, F32) * gate_scale[None, :]
-            acc_up += mma(a, up.to(a.dtype), zeros, F32) * up_scale[None, :]
-        else:
-            acc_gate = mma(a, gate, acc_gate, F32)
-            acc_up = mma(a, up, acc_up, F32)
+            gate = (gate.to(tl.float32) * gate_scale[None, :]).to(a.dtype)
+            up = (up.to(tl.float32) * up_scale[None, :]).to(a.dtype)
+        acc_gate = mma(a, gate, acc_gate, F32)
+        acc_up = mma(a, up, acc_up, F32)
     dtype = act_ptr.dtype.element_ty
     act = silu_mul_rounded(acc_gate.to(dtype), acc_up.to(dtype), dtype)  # the GEMM output is rounded first
     mask = (rm[:, None] < row_end) & (rn[None, :] < INNER)
@@ -95,9 +93,8 @@ def _down_kernel(
         if SCALED:
             scales = scale_ptr + expert.to(tl.int64) * ss_e + (k // QBK)
             scale = tl.load(scales + (rn // QBN) * ss_n, mask=rn < D, other=0.0)
-            acc += mma(a, b.to(a.dtype), tl.zeros((BM, BN), dtype=tl.float32), F32) * scale[None, :]
-        else:
-            acc = mma(a, b, acc, F32)
+            b = (b.to(tl.float32) * scale[None, :]).to(a.dtype)
+        acc = mma(a, b, acc, F32)
     mask = (rm[:, None] < row_end) & (rn[None, :] < D)
     tl.store(out_ptr + rm[:, None].to(tl.int64) * so_m + rn[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
 
