@@ -1,6 +1,6 @@
 """The op table and attention of the nvidia_sm100 backend: Triton kernels, cuBLAS (through torch) for
 dense GEMMs in the default mode, the fixed-tiling Triton GEMM in batch-invariant mode and for FP8 weights
-(ops.BlockFP8: float8 tiles are widened in registers and each K tile's product takes its block scale).
+(ops.BlockFP8: each float8 tile is dequantized in registers with its block's scale, never in memory).
 
 Imported only after the backend is selected (it imports triton).
 """

@@ -101,16 +101,13 @@ def _down_kernel(
 
 def _tiles(dtype: torch.dtype, size: str) -> tuple[int, int, int, int, int]:
     """(BM, BN, BK, num_warps, num_stages). `size` "large" picks bigger tiles for many rows per expert
-    (prefill), "narrow" narrower column tiles when fewer rows than experts leave most programs idle (small
-    decode batches); batch-invariant mode asks for neither, so there the tiling is fixed per dtype."""
+    (prefill); batch-invariant mode never asks for them, so there the tiling is fixed per dtype."""
     if INTERPRET:
         return 16, 32, 32, 4, 1
     if dtype == torch.float32:
         return 64, 32, 32, 4, 2
     if size == "large":
         return 128, 128, 64, 8, 3
-    if size == "narrow":
-        return 64, 32, 64, 4, 4
     return 64, 64, 64, 4, 4
 
 
@@ -137,9 +134,9 @@ def expert_ffn(x: torch.Tensor, tokens_per_expert: torch.Tensor, w13, w2, fixed_
     x = x.contiguous()
     (w13, s13, q13), (w2, s2, q2) = _weight_args(w13), _weight_args(w2)
     act = torch.empty((rows, inner), dtype=x.dtype, device=x.device)
-    size = "fixed"
-    if not fixed_tiles:
-        size = "large" if rows >= LARGE_ROWS_PER_EXPERT * experts else "narrow" if rows < experts else "fixed"
+    # (narrower 32-column tiles for fewer rows than experts were tried: 0.2 ms slower per step at batch 1 on
+    # the H200, bench/README.md)
+    size = "large" if not fixed_tiles and rows >= LARGE_ROWS_PER_EXPERT * experts else "fixed"
     bm, bn, bk, warps, stages = _tiles(x.dtype, size)
     for scale, block in ((s13, q13), (s2, q2)):
         if scale is not None and block[1] % bk:
