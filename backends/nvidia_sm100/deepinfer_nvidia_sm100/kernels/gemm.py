@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from deepinfer_core.backend.ops import BlockFP8
-from deepinfer_nvidia_sm100.kernels._common import INTERPRET, dot_in_float32, mma
+from deepinfer_nvidia_sm100.kernels._common import INTERPRET, dot_in_float32, mma, weight_tile
 
 SM_COUNT_HINT = 132  # programs to aim for on one wave; H200 has 132 SMs (a fixed number: results must not vary by GPU)
 
@@ -38,11 +38,9 @@ def _matmul_kernel(
     for k in range(k_lo, k_hi, BK):
         ks = k + rk
         a = tl.load(a_rows + ks[None, :] * sa_k, mask=(rm[:, None] < M) & (ks[None, :] < k_hi), other=0.0)
-        b = tl.load(b_cols + ks[:, None] * sb_k, mask=(rn[None, :] < N) & (ks[:, None] < k_hi), other=0.0)
-        if SCALED:  # FP8 weight: dequantize the tile in registers (its K range lies in one scale block)
-            scale = tl.load(scale_ptr + batch * ss_b + (rn // QBN) * ss_n + (k // QBK) * ss_k, mask=rn < N, other=0.0)
-            b = (b.to(tl.float32) * scale[None, :]).to(a.dtype)
-        acc = mma(a, b, acc, F32)
+        b_mask = (rn[None, :] < N) & (ks[:, None] < k_hi)
+        scales = scale_ptr + batch * ss_b + (rn // QBN) * ss_n + (k // QBK) * ss_k  # FP8: one block per K tile
+        acc = mma(a, weight_tile(b_cols + ks[:, None] * sb_k, b_mask, scales, rn < N, a.dtype, SCALED), acc, F32)
     mask = (rm[:, None] < M) & (rn[None, :] < N)
     if SPLIT_K == 1:
         if HAS_BIAS:

@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from deepinfer_core.backend.ops import BlockFP8
-from deepinfer_nvidia_sm100.kernels._common import INTERPRET, dot_in_float32, mma, next_pow2
+from deepinfer_nvidia_sm100.kernels._common import INTERPRET, dot_in_float32, mma, next_pow2, weight_tile
 from deepinfer_nvidia_sm100.kernels.elementwise import silu_mul_rounded
 
 
@@ -55,14 +55,10 @@ def _gate_up_kernel(
         ks = k + rk
         a = tl.load(x_rows + ks[None, :], mask=(rm[:, None] < row_end) & (ks[None, :] < D), other=0.0)
         b_mask = (rn[None, :] < INNER) & (ks[:, None] < D)
-        gate = tl.load(gate_cols + ks[:, None], mask=b_mask, other=0.0)
-        up = tl.load(up_cols + ks[:, None], mask=b_mask, other=0.0)
-        if SCALED:  # FP8 weights: dequantize the tiles in registers with their blocks' multipliers
-            scales = scale_ptr + expert.to(tl.int64) * ss_e + (k // QBK)
-            gate_scale = tl.load(scales + (rn // QBN) * ss_n, mask=rn < INNER, other=0.0)
-            up_scale = tl.load(scales + ((rn + INNER) // QBN) * ss_n, mask=rn < INNER, other=0.0)
-            gate = (gate.to(tl.float32) * gate_scale[None, :]).to(a.dtype)
-            up = (up.to(tl.float32) * up_scale[None, :]).to(a.dtype)
+        scales = scale_ptr + expert.to(tl.int64) * ss_e + k // QBK  # FP8: this K range's block scales
+        gate = weight_tile(gate_cols + ks[:, None], b_mask, scales + (rn // QBN) * ss_n, rn < INNER, a.dtype, SCALED)
+        up_scales = scales + ((rn + INNER) // QBN) * ss_n
+        up = weight_tile(up_cols + ks[:, None], b_mask, up_scales, rn < INNER, a.dtype, SCALED)
         acc_gate = mma(a, gate, acc_gate, F32)
         acc_up = mma(a, up, acc_up, F32)
     dtype = act_ptr.dtype.element_ty
@@ -89,12 +85,9 @@ def _down_kernel(
     for k in range(0, INNER, BK):
         ks = k + rk
         a = tl.load(a_rows + ks[None, :], mask=(rm[:, None] < row_end) & (ks[None, :] < INNER), other=0.0)
-        b = tl.load(w_cols + ks[:, None], mask=(rn[None, :] < D) & (ks[:, None] < INNER), other=0.0)
-        if SCALED:
-            scales = scale_ptr + expert.to(tl.int64) * ss_e + (k // QBK)
-            scale = tl.load(scales + (rn // QBN) * ss_n, mask=rn < D, other=0.0)
-            b = (b.to(tl.float32) * scale[None, :]).to(a.dtype)
-        acc = mma(a, b, acc, F32)
+        scales = scale_ptr + expert.to(tl.int64) * ss_e + k // QBK + (rn // QBN) * ss_n
+        b_mask = (rn[None, :] < D) & (ks[:, None] < INNER)
+        acc = mma(a, weight_tile(w_cols + ks[:, None], b_mask, scales, rn < D, a.dtype, SCALED), acc, F32)
     mask = (rm[:, None] < row_end) & (rn[None, :] < D)
     tl.store(out_ptr + rm[:, None].to(tl.int64) * so_m + rn[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
 
