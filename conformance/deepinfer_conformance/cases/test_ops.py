@@ -150,6 +150,7 @@ def fp8_weight(*shape: int, seed: int) -> BlockFP8:
 @pytest.mark.parametrize("tokens", TOKENS)
 def test_linear_fp8_weight(suite, check, dtype, tokens):
     """linear with a BlockFP8 weight (DeepSeek's FP8 format) against the GEMM of the dequantized weight."""
+    suite.require("linear")
     require_fp8_weights(suite)
     ours, ref = suite.pair(dtype)
     weight, bias = fp8_weight(200, 384, seed=16), randn(200, seed=17, dtype=dtype)  # cropped last row block
@@ -163,6 +164,7 @@ def test_linear_fp8_weight(suite, check, dtype, tokens):
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_expert_ffn_fp8_weights(suite, check, dtype):
+    suite.require("expert_ffn")
     require_fp8_weights(suite)
     ours, ref = suite.pair(dtype)
     counts = [3, 0, 40, 1]
