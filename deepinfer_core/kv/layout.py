@@ -42,6 +42,9 @@ class CacheSpec:
     window: int = 0  # SLIDING_WINDOW: tokens attended to
     rollback_slots: int = 0  # SLIDING_WINDOW: extra slots so speculative tokens can be rolled back
     state_shape: tuple[int, ...] = ()  # SEQUENCE_STATE
+    # how head_dim splits into parts a layout may store apart (MLA: (kv_lora_rank, rope dims)); () = one
+    # part. The canonical entry is always the parts side by side.
+    parts: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.kind is CacheKind.SEQUENCE_STATE:
@@ -51,6 +54,8 @@ class CacheSpec:
             raise ValueError(f"a {self.kind.value} cache needs num_heads >= 1 and head_dim >= 1")
         if self.kind is CacheKind.SLIDING_WINDOW and self.window < 1:
             raise ValueError("a SLIDING_WINDOW cache needs window >= 1")
+        if self.parts and (sum(self.parts) != self.head_dim or min(self.parts) < 1):
+            raise ValueError(f"parts {self.parts} must be positive and sum to head_dim {self.head_dim}")
 
     @property
     def ring_size(self) -> int:

@@ -84,7 +84,13 @@ class DeepseekV3Model:
         device = backend.torch_device
         w = {name: t.to(device) for name, t in weights.items()}
         self.config, self.backend, self.ops = config, backend, backend.ops
-        self.cache_spec = CacheSpec(CacheKind.PAGED, backend.dtype, num_heads=1, head_dim=config.latent_dim)
+        self.cache_spec = CacheSpec(
+            CacheKind.PAGED,
+            backend.dtype,
+            num_heads=1,
+            head_dim=config.latent_dim,
+            parts=(config.kv_lora_rank, config.qk_rope_head_dim),  # latent | rotated shared key
+        )
         cos, sin = rotary_tables(config.rope, config.qk_rope_head_dim, config.max_position_embeddings)
         rope = (cos.to(device), sin.to(device))
         scale = softmax_scale(config.rope, config.qk_head_dim)
