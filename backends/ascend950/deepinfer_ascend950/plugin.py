@@ -2,9 +2,10 @@
 
 May import: torch and deepinfer_core at module import. torch_npu is imported only inside the probe,
 after the cheap checks (package present, CANN present, device nodes present) have passed, and by the
-kernels once this backend is selected: without CANN, importing torch_npu fails and breaks torch.
-Kernels (ops, KV layout, attention) are not implemented yet, so the registry reports this backend as
-unavailable for that reason even on an NPU machine. It has never run on Ascend hardware.
+engine-build hooks once this backend is selected: without CANN, importing torch_npu fails and breaks
+torch. The op table, layout, attention and communicator receive the torch_npu module as an argument.
+This backend HAS NEVER RUN ON ASCEND HARDWARE: its calls are checked against torch_npu's op schemas and
+its glue against an implementation of those ops written from the documentation, on CPU only.
 """
 
 from __future__ import annotations
@@ -14,11 +15,10 @@ import importlib
 import importlib.util
 import os
 
-from deepinfer_core.backend import API_VERSION, OP_NAMES, BackendInfo, Capabilities, ProbeResult, hookimpl
+from deepinfer_core.backend import API_VERSION, BackendInfo, Capabilities, DeviceFacts, ProbeResult, hookimpl
 from deepinfer_core.kv.layout import CacheKind
 
 DEEPINFER_API_VERSION = API_VERSION
-_NOT_YET = "torch_npu ops are not wired in yet in this release of deepinfer-ascend950"
 
 
 @hookimpl
@@ -38,8 +38,13 @@ def deepinfer_backend_capabilities():
         dtypes=("bfloat16", "float16"),
         cache_kinds=(CacheKind.PAGED,),
         block_sizes=(128,),  # Ascend's paged-attention kernels require 128-token blocks
-        communicators=("in_process",),
-        unsupported=tuple((op, _NOT_YET) for op in OP_NAMES),
+        batch_invariant=False,  # not implemented: torch_npu's fused ops make no such promise
+        communicators=("in_process", "hccl_mc2"),
+        unsupported=(
+            ("graph_capture", "NPU graph capture of decode steps is not wired in yet"),
+            ("sliding_window", "the V4 sliding-window ring cache is not implemented on this backend yet"),
+            ("sequence_state", "per-sequence state caches are not implemented on this backend yet"),
+        ),
     )
 
 
@@ -77,3 +82,58 @@ def deepinfer_backend_probe():
         visible = os.environ.get("ASCEND_RT_VISIBLE_DEVICES", "unset")
         return ProbeResult.unavailable(f"no NPU visible (ASCEND_RT_VISIBLE_DEVICES={visible})", cann=cann)
     return ProbeResult.ok(f"{name}, {count} NPU(s), CANN at {cann}", npu=name, npus=str(count), cann=cann)
+
+
+def _torch_npu():
+    """torch_npu, imported only once this backend has been selected (see the module docstring)."""
+    return importlib.import_module("torch_npu")
+
+
+@hookimpl
+def deepinfer_backend_device(index):
+    import torch
+
+    _torch_npu()  # registers the NPU device with torch
+    free, total = torch.npu.mem_get_info(index)
+    return DeviceFacts(torch.npu.get_device_name(index), f"npu:{index}", total, free)
+
+
+@hookimpl
+def deepinfer_backend_ops():
+    from deepinfer_ascend950.ops import AscendOps
+
+    return AscendOps(_torch_npu())
+
+
+@hookimpl
+def deepinfer_backend_kv_layout(device, block_size):
+    import torch
+
+    from deepinfer_ascend950.kv import AscendKVLayout
+
+    return AscendKVLayout(_torch_npu(), torch.device(device.torch_device), block_size or 128)
+
+
+@hookimpl
+def deepinfer_backend_attention(layout):
+    from deepinfer_ascend950.attention import AscendAttention
+
+    return AscendAttention(_torch_npu(), layout)
+
+
+@hookimpl
+def deepinfer_backend_communicator(world_size, rank):
+    """In-process for one rank; otherwise the fused MC2 dispatch/combine over the default group's HCCL
+    communicator (the launcher has called torch.distributed.init_process_group(backend="hccl"))."""
+    if world_size == 1:
+        from deepinfer_core.parallel.communicator import InProcessCommunicator
+
+        return InProcessCommunicator()
+    import torch
+    import torch.distributed as dist
+
+    from deepinfer_ascend950.communicator import McDistributeCommunicator
+
+    group = dist.group.WORLD
+    name = group._get_backend(torch.device("npu")).get_hccl_comm_name(rank)
+    return McDistributeCommunicator(_torch_npu(), name, world_size, rank)
