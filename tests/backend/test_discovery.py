@@ -40,10 +40,9 @@ def test_builtin_backends_with_honest_reasons(site):
     assert not nvidia.available and not ascend.available
     assert "torch_npu is not installed" in ascend.reason
     assert nvidia.origin.distribution == "deepinfer-nvidia-sm100"
-    # no GPU here: the nvidia backend says what is missing; ascend's kernels are not written yet
+    # no GPU or NPU here: each says what is missing, and neither lacks a hook of the contract
     assert "not a CUDA build" in nvidia.reason or "no NVIDIA GPU" in nvidia.reason
-    assert "does not implement" not in nvidia.reason  # every required hook is there
-    assert "kv_layout" in ascend.reason
+    assert "does not implement" not in nvidia.reason and "does not implement" not in ascend.reason
 
 
 def test_auto_selects_cpu_when_nothing_else_is_available(site):
