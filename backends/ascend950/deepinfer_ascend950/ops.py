@@ -54,7 +54,7 @@ class AscendOps:
         return torch.bmm(x.transpose(0, 1), weight.transpose(1, 2)).transpose(0, 1)
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
-        return self.npu.npu_swiglu(x, dim=-1)  # silu(first half) * second half
+        return self.npu.npu_swiglu(x.contiguous(), dim=-1)  # silu(first half) * second half; no views taken
 
     def moe_route(
         self, router_logits: torch.Tensor, config: RoutingConfig, correction_bias: torch.Tensor | None = None
@@ -91,8 +91,9 @@ class AscendOps:
         [E, N, K]; the op multiplies x [rows, K] by [E, K, N], so it gets transposed views."""
         if x.shape[0] == 0:
             return torch.empty_like(x)
-        counts = tokens_per_expert.to(device=x.device, dtype=torch.int64)
-        common = dict(group_list=counts, split_item=3, group_type=0, group_list_type=1)  # counts, not cumsum
+        # group_list_type 0: the running sum of the counts (type 1, plain counts, may not have length 1)
+        ends = tokens_per_expert.to(device=x.device, dtype=torch.int64).cumsum(0)
+        common = dict(group_list=ends, split_item=3, group_type=0, group_list_type=0)
         [gate_up] = self.npu.npu_grouped_matmul([x], [w13.transpose(1, 2)], **common)  # [rows, 2I]
         act = self.npu.npu_swiglu(gate_up, dim=-1)  # [rows, I]
         [out] = self.npu.npu_grouped_matmul([act], [w2.transpose(1, 2)], **common)  # [rows, D]

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from fake_torch_npu import DocViolation, FakeTorchNpu, expect_violation
+from fake_torch_npu import FakeTorchNpu
 
 from deepinfer_ascend950.ops import AscendOps
 from deepinfer_core.backend.ops import RoutingConfig
@@ -81,18 +81,10 @@ def test_silu_and_mul(npu, dtype):
     assert_matches(AscendOps(npu).silu_and_mul(x), REF.silu_and_mul(x), dtype)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=DocViolation,
-    reason="backend bug: AscendOps.silu_and_mul passes its input straight to npu_swiglu, whose documentation says "
-    "'不支持非连续的Tensor' (no non-contiguous input), while the Ops contract allows non-contiguous views; "
-    "it needs x.contiguous()",
-)
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_silu_and_mul_on_a_view(npu, dtype):
     x = randn(11, 2 * 24 + 8, dtype=dtype, seed=8)[:, : 2 * 24]
-    with expect_violation("npu_swiglu: non-contiguous"):
-        out = AscendOps(npu).silu_and_mul(x)
+    out = AscendOps(npu).silu_and_mul(x)  # npu_swiglu takes no views: the backend makes one contiguous
     assert_matches(out, REF.silu_and_mul(x), dtype)
 
 
@@ -174,7 +166,8 @@ def test_expert_ffn_with_idle_experts(npu, dtype):
     out = AscendOps(npu).expert_ffn(x, counts, w13, w2)
     assert_matches(out, REF.expert_ffn(x, counts, w13, w2), dtype)
     gate_up, down = npu.calls_of("npu_grouped_matmul")
-    assert gate_up.args["group_list"].tolist() == EXPERT_COUNTS and gate_up.args["group_list_type"] == 1
+    running_sum = torch.tensor(EXPERT_COUNTS).cumsum(0).tolist()  # group_list_type 0: cumulative row ends
+    assert gate_up.args["group_list"].tolist() == running_sum and gate_up.args["group_list_type"] == 0
 
 
 def test_expert_ffn_without_rows(npu):
@@ -183,17 +176,8 @@ def test_expert_ffn_without_rows(npu):
     assert out.shape == (0, 32) and not npu.calls
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=DocViolation,
-    reason="backend bug: with one local expert (e.g. 256 experts on 256 EP ranks) AscendOps.expert_ffn passes a "
-    "length-1 group_list with group_list_type=1, which the npu_grouped_matmul documentation forbids "
-    "('当group_list_type为1时，group_list必须为非负数列，且长度不能为1'); it needs a plain matmul (or "
-    "group_list_type=0) for a single expert",
-)
 def test_expert_ffn_with_one_local_expert(npu):
     x, counts = randn(6, 32, seed=18), torch.tensor([6])
     w13, w2 = randn(1, 32, 32, seed=19, scale=0.2), randn(1, 32, 16, seed=20, scale=0.2)
-    with expect_violation("may not have length 1"):
-        out = AscendOps(npu).expert_ffn(x, counts, w13, w2)
+    out = AscendOps(npu).expert_ffn(x, counts, w13, w2)  # a length-1 group_list needs group_list_type 0
     assert_matches(out, REF.expert_ffn(x, counts, w13, w2), torch.float32)
