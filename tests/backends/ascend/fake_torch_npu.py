@@ -775,7 +775,10 @@ class FakeTorchNpu:
         _require(expert_shard_type == 0, op, "expert_shard_type must be 0")
         _require(shared_expert_num in (0, 1) and shared_expert_rank_num == 0, op, "the fake has no shared-expert ranks")
         _require(
-            global_bs in (0, bs * ep_world_size), op, f"global_bs must be 0 or BS * ep_world_size, got {global_bs}"
+            # documented: 0 (every rank sends the same BS) or max BS over the ranks * ep_world_size
+            global_bs == 0 or (global_bs % ep_world_size == 0 and global_bs >= bs * ep_world_size),
+            op,
+            f"global_bs must be 0 or (max BS over ranks) * ep_world_size, got {global_bs}",
         )
         _require(expert_token_nums_type in (0, 1), op, "expert_token_nums_type must be 0 or 1")
         flat = expert_ids.reshape(-1).long()
@@ -872,7 +875,10 @@ class FakeTorchNpu:
         _require(tp_world_size in (0, 1) and tp_rank_id == 0 and group_tp == "", op, "the fake has no TP domain")
         _require(expert_shard_type == 0 and shared_expert_rank_num == 0, op, "the fake has no shared-expert ranks")
         _require(
-            global_bs in (0, bs * ep_world_size), op, f"global_bs must be 0 or BS * ep_world_size, got {global_bs}"
+            # documented: 0 (every rank sends the same BS) or max BS over the ranks * ep_world_size
+            global_bs == 0 or (global_bs % ep_world_size == 0 and global_bs >= bs * ep_world_size),
+            op,
+            f"global_bs must be 0 or (max BS over ranks) * ep_world_size, got {global_bs}",
         )
         rows = expand_x[expand_idx.long()].float().view(bs, k, h)
         out = torch.zeros(bs, h, dtype=torch.float32)

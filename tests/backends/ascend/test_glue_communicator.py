@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from fake_torch_npu import DocViolation, FakeTorchNpu, expect_violation
+from fake_torch_npu import FakeTorchNpu
 
-from deepinfer_ascend950.communicator import McDistributeCommunicator
+from deepinfer_ascend950.communicator import MAX_TOKENS_PER_CALL, McDistributeCommunicator
 from deepinfer_ascend950.ops import AscendOps
 from deepinfer_core.parallel.communicator import ExpertCommunicator, InProcessCommunicator
 from deepinfer_core.reference.ops import ReferenceOps
@@ -105,21 +105,19 @@ def test_deepseek_v3_shapes_within_ascend950_limits():
     torch.testing.assert_close(out.float(), expected.float(), rtol=2e-2, atol=2 * ulp)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=DocViolation,
-    reason="backend bug: McDistributeCommunicator.dispatch sends all of a step's tokens in one "
-    "npu_moe_distribute_dispatch call, but the documented BS range is [1, 512] (Atlas A3 and Ascend 950DT; "
-    "[1, 256] on Atlas A2); a prefill step holds up to max_num_batched_tokens (2048 by default), so it must "
-    "split the step into chunks of at most 512 tokens (and pass global_bs = max_bs * ep_world_size when "
-    "ranks' BS differ)",
-)
 def test_dispatch_of_a_prefill_sized_step():
     tokens, hidden, experts, top_k = 600, 32, 8, 2
     x = torch.randn(tokens, hidden, generator=torch.Generator().manual_seed(9)).bfloat16()
     ids, weights = routing(tokens, experts, top_k, seed=10)
     comm = McDistributeCommunicator(FakeTorchNpu(), "ep_group", 1, 0)
-    with expect_violation("BS must be in"):
-        d = comm.dispatch(x, ids, experts)
-    out = comm.combine(d.hidden, d, weights)
-    torch.testing.assert_close(out.float(), x.float() * weights.sum(dim=1, keepdim=True), rtol=2e-2, atol=1e-1)
+    d = comm.dispatch(x, ids, experts)  # sent in chunks of at most MAX_TOKENS_PER_CALL tokens
+    assert len(comm.npu.calls_of("npu_moe_distribute_dispatch")) == -(-tokens // MAX_TOKENS_PER_CALL)
+    want = InProcessCommunicator().dispatch(x, ids, experts)  # the chunks' rows regrouped by expert
+    assert torch.equal(d.tokens_per_expert.cpu(), want.tokens_per_expert)
+    assert rows_by_expert(d.hidden, d.tokens_per_expert) == rows_by_expert(want.hidden, want.tokens_per_expert)
+    # experts that scale their rows by (expert id + 1): a row regrouped under the wrong expert shows
+    scale = torch.repeat_interleave(torch.arange(1, experts + 1), d.tokens_per_expert.cpu())[:, None]
+    out = comm.combine((d.hidden.float() * scale).bfloat16(), d, weights)
+    per_pair = (ids + 1).float() * weights  # [T, K]
+    torch.testing.assert_close(out.float(), x.float() * per_pair.sum(dim=1, keepdim=True), rtol=2e-2, atol=2e-1)
+
