@@ -41,7 +41,11 @@ def deepinfer_backend_capabilities():
         batch_invariant=False,  # not implemented: torch_npu's fused ops make no such promise
         communicators=("in_process", "hccl_mc2"),
         unsupported=(
-            ("graph_capture", "NPU graph capture of decode steps is not wired in yet"),
+            (
+                "graph_capture",
+                "not wired in: npu_fused_infer_attention_score takes the sequence lengths as host lists, so a "
+                "captured NPU graph would need torch_npu's graph-parameter updates for them each step",
+            ),
             ("sliding_window", "the V4 sliding-window ring cache is not implemented on this backend yet"),
             ("sequence_state", "per-sequence state caches are not implemented on this backend yet"),
         ),
