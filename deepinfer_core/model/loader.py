@@ -66,9 +66,7 @@ def _tensor_files(path: Path) -> dict[str, Path]:
 
 def dequantize_fp8_blocks(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
     """weight [N, K] float8 with scale_inv [ceil(N/bn), ceil(K/bk)] -> float32 [N, K] = weight * scale."""
-    rows, cols = weight.shape
-    scale = scale_inv.float().repeat_interleave(block[0], dim=0).repeat_interleave(block[1], dim=1)
-    return weight.float() * scale[:rows, :cols]
+    return BlockFP8(weight, scale_inv, block).dequantize(torch.float32)
 
 
 def _fp8_block(config: Mapping[str, Any]) -> tuple[int, int] | None:

@@ -53,15 +53,14 @@ class AscendAttention:
         value_offset: int = 0,
     ) -> torch.Tensor:
         tokens, heads, key_dim = q.shape
-        out = q.new_zeros((tokens, heads, value_dim))
-        q_lens = (meta.query_start_loc[1:] - meta.query_start_loc[:-1]).tolist()
-        rows = [b for b, n in enumerate(q_lens) if n > 0]  # the op takes no empty sequence
+        starts = meta.query_start_loc.tolist()  # one host read each for the op's host-side lengths
+        rows = [b for b in range(meta.num_seqs) if starts[b + 1] > starts[b]]  # the op takes no empty sequence
         if not rows:
-            return out
+            return q.new_zeros((tokens, heads, value_dim))
         key, value, key_rope = self._key_value(cache, spec, key_dim, value_dim, value_offset)
         query, query_rope = (q[..., :value_dim], q[..., value_dim:]) if key_rope is not None else (q, None)
         seq_lens = meta.seq_lens.tolist()
-        ends = [int(meta.query_start_loc[b + 1]) for b in rows]
+        ends = [starts[b + 1] for b in rows]
         attended, _lse = self.npu.npu_fused_infer_attention_score(
             query.contiguous(),
             key,
