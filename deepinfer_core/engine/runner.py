@@ -146,7 +146,7 @@ class ModelRunner:
         pending = [
             (i, len(r.output_token_ids), in_flight.rows[r]) for i, r in enumerate(sampled) if r.num_pending_tokens
         ]
-        if pending:
+        if pending and sampling.any_penalty:  # the token lists exist only for the penalties
             rows, columns, sources = to_device(pending, self.device).unbind(1)  # [P] each
             sampling.output_tokens[rows, columns] = in_flight.token_ids[sources]
         return self.sampler.sample(logits, sampling)

@@ -47,8 +47,8 @@ class SamplingBatch:
     frequency_penalty: torch.Tensor  # [B] float32
     seeds: torch.Tensor  # [B] int64 (bits of the uint64 seed)
     steps: torch.Tensor  # [B] int64, index of the token being generated
-    prompt_tokens: torch.Tensor  # [B, Lp] int64, -1 padded
-    output_tokens: torch.Tensor  # [B, Lo] int64, -1 padded
+    prompt_tokens: torch.Tensor  # [B, Lp] int64, -1 padded; [B, 0] when no row has a penalty (unused then)
+    output_tokens: torch.Tensor  # [B, Lo] int64, -1 padded; [B, 0] when no row has a penalty
     num_logprobs: int  # top logprobs to return per row (max over the batch)
     # host-side summaries of the columns above, so a sampler can skip work without reading the device;
     # True (the default) is always correct, it only means "do the work"
@@ -85,6 +85,10 @@ class SamplingBatch:
         repetition = column([p.repetition_penalty for p in params], torch.float32)
         presence = column([p.presence_penalty for p in params], torch.float32)
         frequency = column([p.frequency_penalty for p in params], torch.float32)
+        steps = column([len(o) for o in output_tokens], torch.int64)  # index of the token being generated
+        any_penalty = bool((repetition != 1).any() or (presence != 0).any() or (frequency != 0).any())
+        if not any_penalty:  # the token lists only feed the penalties: skip building and copying them
+            prompt_tokens = output_tokens = [[] for _ in params]
         host = cls(
             temperature=temperature,
             top_k=top_k,
@@ -94,13 +98,13 @@ class SamplingBatch:
             presence_penalty=presence,
             frequency_penalty=frequency,
             seeds=column([_as_int64_seed(s) for s in seeds], torch.int64),
-            steps=column([len(o) for o in output_tokens], torch.int64),
+            steps=steps,
             prompt_tokens=padded(prompt_tokens),
             output_tokens=padded(output_tokens),
             num_logprobs=max((p.logprobs or 0 for p in params), default=0),
             any_random=bool((temperature > 0).any()),
             any_filter=bool((top_k > 0).any() or (top_p < 1).any() or (min_p > 0).any()),
-            any_penalty=bool((repetition != 1).any() or (presence != 0).any() or (frequency != 0).any()),
+            any_penalty=any_penalty,
         )
         return host.to(device)
 
