@@ -33,6 +33,16 @@ class AscendOps:
 
     def __init__(self, npu: ModuleType) -> None:
         self.npu = npu
+        self._tables: tuple = ()  # (positions, cos, sin, interleaved, dtype, tables) of the last rotary call
+
+    def _rotary_tables(self, positions, cos, sin, interleaved: bool, dtype: torch.dtype):
+        """The expanded tables, built once per step: every layer's q and k rotate by the same positions."""
+        last = self._tables
+        same = last and last[0] is positions and last[1] is cos and last[2] is sin
+        if not (same and last[3:5] == (interleaved, dtype)):
+            tables = expand_rotary_tables(cos.to(dtype), sin.to(dtype), positions, interleaved)
+            self._tables = last = (positions, cos, sin, interleaved, dtype, tables)
+        return last[5]
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         y, _rstd = self.npu.npu_rms_norm(x, weight, epsilon=eps)
@@ -42,7 +52,7 @@ class AscendOps:
         self, x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, interleaved: bool
     ) -> torch.Tensor:
         """x [T, H, R] as BSND [1, T, H, R] through npu_rotary_mul, which keeps the element order."""
-        c, s = expand_rotary_tables(cos.to(x.dtype), sin.to(x.dtype), positions, interleaved)
+        c, s = self._rotary_tables(positions, cos, sin, interleaved, x.dtype)
         mode = "interleave" if interleaved else "half"
         return self.npu.npu_rotary_mul(x[None], c, s, mode)[0]
 
