@@ -130,8 +130,6 @@ def batched_matmul(
 def matmul(x: torch.Tensor, weight: torch.Tensor | BlockFP8, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] @ weight [N, K]^T (+ bias) -> [..., N], batch-invariant in the leading dims."""
     rows = x.reshape(-1, x.shape[-1])
-    if isinstance(weight, BlockFP8):
-        out = batched_matmul(rows[None], weight.weight[None], bias, b_scale=weight)[0]
-        return out.view(*x.shape[:-1], weight.shape[0])
-    out = batched_matmul(rows[None], weight[None], bias)[0]
+    values, scale = (weight.weight, weight) if isinstance(weight, BlockFP8) else (weight, None)
+    out = batched_matmul(rows[None], values[None], bias, b_scale=scale)[0]
     return out.view(*x.shape[:-1], weight.shape[0])
