@@ -19,8 +19,29 @@ import torch
 
 from deepinfer_core.kv.layout import CacheSpec
 
-__all__ = ["AttentionMetadata", "AttentionOps", "BlockFP8", "Ops", "RoutingConfig", "OP_NAMES"]
+__all__ = [
+    "AttentionMetadata",
+    "AttentionOps",
+    "BlockFP8",
+    "Ops",
+    "RoutingConfig",
+    "OP_NAMES",
+    "V4_OPS",
+    "V4AttentionOps",
+    "V4Ops",
+]
 
+# The ops (and op features) only DeepSeek-V4 calls; a backend without them lists them in `unsupported`.
+V4_OPS = (
+    "hc_pre",
+    "hc_post",
+    "softmax_pool",
+    "swiglu_limit",
+    "sqrtsoftplus_routing",
+    "hash_routing",
+    "sparse_attention",
+    "indexer_topk",
+)
 # Every op a backend may be asked about in `Capabilities.supports`.
 OP_NAMES = (
     "rms_norm",
@@ -31,24 +52,28 @@ OP_NAMES = (
     "moe_route",
     "expert_ffn",
     "paged_attention",
+    *V4_OPS,
 )
 
 
 @dataclass(frozen=True, slots=True)
 class RoutingConfig:
-    """How a MoE layer picks experts (DeepSeek V2/V3 routing).
+    """How a MoE layer picks experts (DeepSeek V2/V3/V4 routing).
 
     method:
       "greedy"               top-k over all experts' scores;
       "group_limited_greedy" (V2) keep `topk_groups` of `num_groups` groups ranked by their max score;
       "noaux_tc"             (V3) rank groups by the sum of their two best bias-corrected scores, and
-                             choose experts by bias-corrected score but weight them by the raw score.
+                             choose experts by bias-corrected score but weight them by the raw score;
+      "hash"                 (V4's first layers) the experts are given (a fixed token id -> experts
+                             table); only their weights come from the scores.
+    scoring: softmax, sigmoid, or (V4) sqrtsoftplus = sqrt(softplus(logit)).
     """
 
     num_experts: int
     top_k: int
-    method: Literal["greedy", "group_limited_greedy", "noaux_tc"] = "greedy"
-    scoring: Literal["softmax", "sigmoid"] = "softmax"
+    method: Literal["greedy", "group_limited_greedy", "noaux_tc", "hash"] = "greedy"
+    scoring: Literal["softmax", "sigmoid", "sqrtsoftplus"] = "softmax"
     num_groups: int = 1
     topk_groups: int = 1
     normalize: bool = False  # divide the chosen weights by their sum
@@ -141,6 +166,14 @@ class AttentionMetadata:
     seq_lens: torch.Tensor  # [B] int64, context length including this step's tokens
     block_tables: torch.Tensor  # [B, max_blocks] int64 block ids, -1 where unused
     slot_mapping: torch.Tensor  # [T] int64, cache slot of each of this step's tokens
+    # Per-sequence caches (SLIDING_WINDOW rings, SEQUENCE_STATE), for models that have them (V4):
+    seq_slots: torch.Tensor | None = None  # [B] int64, the sequence's slot in those caches
+    # [B] int64: the first position whose ring/state entries this sequence wrote since it was admitted;
+    # ring entries of earlier positions are stale (another sequence's, or never written)
+    window_starts: torch.Tensor | None = None
+    # [B] int64: positions below are in prefix-cache blocks shared with other sequences; a sequence
+    # that recomputes them (V4's bounded replay) must not write those blocks
+    cached_lens: torch.Tensor | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -173,26 +206,42 @@ class Ops(Protocol):
         """Per-head linear map: x [T, H, K], weight [H, N, K] -> [T, H, N] (MLA's weight absorption)."""
         ...
 
-    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
-        """x [T, 2I] = [gate | up] -> silu(gate) * up [T, I]."""
+    def silu_and_mul(self, x: torch.Tensor, *, limit: float | None = None) -> torch.Tensor:
+        """x [T, 2I] = [gate | up] -> silu(gate) * up [T, I].
+
+        limit (V4's swiglu_limit, op feature "swiglu_limit"): silu(min(gate, limit)) * clamp(up, -limit, limit).
+        """
         ...
 
     def moe_route(
-        self, router_logits: torch.Tensor, config: RoutingConfig, correction_bias: torch.Tensor | None = None
+        self,
+        router_logits: torch.Tensor,
+        config: RoutingConfig,
+        correction_bias: torch.Tensor | None = None,
+        *,
+        expert_ids: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """router_logits [T, E] -> (weights [T, top_k] float32, expert ids [T, top_k] int64), per `config`.
 
         `correction_bias` [E], when given, is added to the scores for choosing (any method) but not to
         the weights; normalize divides by (sum + 1e-20). The order of the k experts and the breaking of
-        exact ties are free: the conformance suite compares the chosen set per token.
+        exact ties are free: the conformance suite compares the chosen set per token. method "hash"
+        (op feature "hash_routing") takes the experts from `expert_ids` [T, top_k] and returns them.
         """
         ...
 
     def expert_ffn(
-        self, x: torch.Tensor, tokens_per_expert: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor
+        self,
+        x: torch.Tensor,
+        tokens_per_expert: torch.Tensor,
+        w13: torch.Tensor,
+        w2: torch.Tensor,
+        *,
+        swiglu_limit: float | None = None,
     ) -> torch.Tensor:
         """Grouped expert MLP. x [N, D] rows sorted by expert, tokens_per_expert [E] (sums to N),
-        w13 [E, 2I, D] (gate rows then up rows), w2 [E, D, I] -> [N, D] = w2_e(silu(gate) * up)."""
+        w13 [E, 2I, D] (gate rows then up rows), w2 [E, D, I] -> [N, D] = w2_e(silu(gate) * up), the
+        activation clamped as `silu_and_mul(limit=swiglu_limit)` does."""
         ...
 
 
@@ -216,5 +265,97 @@ class AttentionOps(Protocol):
         Keys are entries[..., :Dk]; values are entries[..., value_offset : value_offset + value_dim].
         MLA in weight-absorbed form caches one latent entry (kv_lora_rank + rope dims) with
         value_offset 0; standard attention caches K|V side by side. Returns [T, H, value_dim] in q.dtype.
+        """
+        ...
+
+
+@runtime_checkable
+class V4Ops(Protocol):
+    """Ops only DeepSeek-V4 calls, on the object `deepinfer_backend_ops` returns (beside `Ops`). A backend
+    without them lists them in `Capabilities.unsupported` (names in V4_OPS)."""
+
+    def hc_pre(
+        self,
+        streams: torch.Tensor,
+        fn: torch.Tensor,
+        scale: torch.Tensor,
+        base: torch.Tensor,
+        *,
+        sinkhorn_iters: int,
+        eps: float,
+        norm_eps: float,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """V4's hyper-connection weights and the collapse of its N residual streams [T, N, D], in float32.
+
+        mixes = rms(streams.flatten(1)) @ fn^T (rms without weight, `norm_eps`); with fn [(2+N)N, N*D]
+        the mixes split into pre [N] | post [N] | comb [N*N], scaled by scale[0..2] and offset by base:
+        pre = sigmoid(.) + eps, post = 2 sigmoid(.), comb = softmax(., last dim) + eps, then Sinkhorn:
+        comb /= column sums + eps, then (sinkhorn_iters - 1) times rows then columns likewise.
+        Returns (collapsed [T, D] = sum_n pre_n streams_n in streams.dtype, post [T, N], comb [T, N, N]).
+        With fn [N, N*D] (the head before the final norm) only pre exists: post and comb are None.
+        """
+        ...
+
+    def hc_post(
+        self, block_out: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, comb: torch.Tensor
+    ) -> torch.Tensor:
+        """New streams [T, N, D]: out_k = post_k * block_out [T, D] + sum_j comb[j, k] * streams_j."""
+        ...
+
+    def softmax_pool(self, values: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        """values, logits [N, S, D] -> [N, D] = sum over S of softmax_S(logits) * values, per channel,
+        the softmax in float32 (V4's compressors pool each window's tokens like this). -inf logits
+        take no part; returns values.dtype."""
+        ...
+
+
+@runtime_checkable
+class V4AttentionOps(Protocol):
+    """Attention ops only DeepSeek-V4 calls, on the object `deepinfer_backend_attention` returns."""
+
+    def sparse_attention(
+        self,
+        q: torch.Tensor,
+        kv: torch.Tensor,
+        ring: torch.Tensor,
+        ring_spec: CacheSpec,
+        meta: AttentionMetadata,
+        *,
+        sinks: torch.Tensor,
+        scale: float,
+        compressed: torch.Tensor | None = None,
+        compressed_spec: CacheSpec | None = None,
+        indices: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """DeepSeek-V4 attention: one shared key = value head, a sliding window plus compressed entries.
+
+        q [T, H, D]; kv [T, D] this step's entries (normalised, roped); ring: the SLIDING_WINDOW cache
+        (entries [1, D]) holding earlier positions of each sequence at `meta.seq_slots` (this step's are
+        not in it yet). Query at position t sees window entries at positions t - window < s <= t that
+        are >= `meta.window_starts[b]`, and, when `compressed` (PAGED, `compressed_spec.compress_rate` m,
+        entries [1, D]) is given, compressed entry w of its sequence iff w < (t + 1) // m — all of them
+        (`indices` None) or only those listed in `indices` [T, K] (entry numbers, -1 = none).
+        logits = q.k * scale; a per-head sink logit `sinks` [H] joins the softmax and is dropped after
+        it. Returns [T, H, D] in q.dtype, accumulated in float32.
+        """
+        ...
+
+    def indexer_topk(
+        self,
+        q: torch.Tensor,
+        weights: torch.Tensor,
+        keys: torch.Tensor,
+        keys_spec: CacheSpec,
+        meta: AttentionMetadata,
+        *,
+        top_k: int,
+        scale: float,
+    ) -> torch.Tensor:
+        """V4's lightning indexer: which compressed entries each query attends.
+
+        q [T, Hi, Di]; weights [T, Hi] float32; keys: PAGED cache of compressed indexer keys (entries
+        [1, Di], rate m = keys_spec.compress_rate). score[t, w] = sum_h weights[t, h] * relu(q[t, h] . k_w)
+        * scale in float32, over the entries w < (t + 1) // m of t's sequence. Returns [T, top_k] int64:
+        the min(top_k, visible) best w per query (any order), then -1.
         """
         ...

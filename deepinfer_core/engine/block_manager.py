@@ -4,6 +4,11 @@ A full block is identified by a hash chain: hash(parent block's hash, the block'
 block is reusable by any request whose tokens up to and including that block are identical. Freed
 blocks that hold a cached prefix stay findable until evicted, least recently freed first; blocks
 without a hash are handed out before any cached one.
+
+Models with per-sequence caches (DeepSeek-V4's sliding windows and compressor state) do not store those
+per block: a request admitted with a cached prefix recomputes the last `replay_tokens` tokens before
+its end ("bounded replay") to rebuild them, and reads everything else from the cached blocks. Each
+running request also holds one sequence slot for those caches.
 """
 
 from __future__ import annotations
@@ -31,10 +36,22 @@ class _Block:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        *,
+        num_seq_slots: int | None = None,
+        replay_tokens: int = 0,
+    ) -> None:
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.enable_prefix_caching = enable_prefix_caching
+        self.replay_tokens = replay_tokens
+        self.num_seq_slots = num_seq_slots  # None: as many as requests (a model without per-sequence caches)
+        self._returned_seq_slots: list[int] = []
+        self._next_seq_slot = 0
         self._blocks = [_Block() for _ in range(num_blocks)]
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))  # eviction order
         self._cached: dict[bytes, int] = {}  # block hash -> block id
@@ -70,24 +87,30 @@ class BlockManager:
 
     def admit(self, request: Request, num_new_tokens: int) -> bool:
         """Give a waiting request its cached prefix plus blocks for its first `num_new_tokens` tokens
-        past that prefix (callers size the chunk with `cached_prefix_tokens` first). All or nothing."""
+        computed (from `cached_prefix_tokens`, which the callers use to size the chunk). All or nothing;
+        False also when no sequence slot is free."""
         hits, hashes = self._prefix_hits(request)
+        cached = len(hits) * self.block_size
+        start = max(0, cached - self.replay_tokens)
         reused_free = sum(1 for b in hits if self._blocks[b].ref_count == 0)
-        needed = self.blocks_for(len(hits) * self.block_size + num_new_tokens) - len(hits)
-        if self.num_free_blocks - reused_free < needed:
+        needed = max(self.blocks_for(start + num_new_tokens) - len(hits), 0)
+        if self.num_free_blocks - reused_free < needed or not self._seq_slot_free():
             return False
         for block_id in hits:
             self._take(block_id)
         request.block_ids = hits + [self._pop_free() for _ in range(needed)]
         request.block_hashes = hashes
-        request.num_computed_tokens = request.num_cached_tokens = len(hits) * self.block_size
+        request.num_cached_tokens = cached
+        request.num_computed_tokens = request.window_start = start
+        request.seq_slot = self._take_seq_slot()
         self.prefix_queries += request.num_tokens
-        self.prefix_hits += request.num_cached_tokens
+        self.prefix_hits += cached
         return True
 
     def cached_prefix_tokens(self, request: Request) -> int:
-        """How many leading tokens `admit` would take from the cache right now."""
-        return len(self._prefix_hits(request)[0]) * self.block_size
+        """The position `admit` would start computing the request from right now: its cached prefix,
+        less the tokens replayed to rebuild per-sequence caches."""
+        return max(0, len(self._prefix_hits(request)[0]) * self.block_size - self.replay_tokens)
 
     def grow(self, request: Request, num_tokens: int) -> bool:
         """Make the request's blocks cover `num_tokens` tokens. False (and no change) if blocks ran out."""
@@ -122,6 +145,18 @@ class BlockManager:
                 if block.hash is None:
                     self._free.move_to_end(block_id, last=False)  # nothing to keep: hand out first
         request.block_ids, request.block_hashes = [], []
+        if request.seq_slot >= 0:
+            self._returned_seq_slots.append(request.seq_slot)
+            request.seq_slot = -1
+
+    def _seq_slot_free(self) -> bool:
+        return bool(self._returned_seq_slots) or self.num_seq_slots is None or self._next_seq_slot < self.num_seq_slots
+
+    def _take_seq_slot(self) -> int:
+        if self._returned_seq_slots:
+            return self._returned_seq_slots.pop()
+        self._next_seq_slot += 1
+        return self._next_seq_slot - 1
 
     def _take(self, block_id: int) -> None:
         block = self._blocks[block_id]

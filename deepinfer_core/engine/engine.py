@@ -26,6 +26,7 @@ from deepinfer_core.engine.runner import ModelRunner
 from deepinfer_core.engine.scheduler import Scheduler, SchedulerConfig
 from deepinfer_core.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from deepinfer_core.errors import DeepInferError
+from deepinfer_core.kv.caches import block_bytes, sequence_bytes
 from deepinfer_core.sampling.params import SamplingParams
 
 __all__ = ["Engine", "EngineConfig", "RequestError"]
@@ -62,7 +63,13 @@ class Engine:
         self.max_model_len = min(config.max_model_len or 1 << 62, model.config.max_position_embeddings)
         block_size = backend.kv_layout.block_size
         num_blocks = config.num_kv_blocks or self._blocks_for_memory(config.kv_cache_memory_bytes, block_size)
-        self.blocks = BlockManager(num_blocks, block_size, config.enable_prefix_caching)
+        self.blocks = BlockManager(
+            num_blocks,
+            block_size,
+            config.enable_prefix_caching,
+            num_seq_slots=config.scheduler.max_num_seqs,
+            replay_tokens=getattr(model, "replay_tokens", 0),
+        )
         self.scheduler = Scheduler(config.scheduler, self.blocks, backend.cost_model)
         self.runner = ModelRunner(
             model,
@@ -71,6 +78,7 @@ class Engine:
             logits_processors,
             graph_batch_size=min(config.graph_batch_size, config.scheduler.max_num_seqs),
             max_model_len=self.max_model_len,
+            num_seq_slots=config.scheduler.max_num_seqs,
         )
         self.observers = list(observers)
         eos = set(model.config.eos_token_ids)
@@ -89,9 +97,10 @@ class Engine:
             self.async_scheduling = False
 
     def _blocks_for_memory(self, memory_bytes: int, block_size: int) -> int:
-        spec = self.model.cache_spec
-        entry_bytes = spec.num_heads * spec.head_dim * spec.dtype.itemsize
-        return max(1, memory_bytes // (entry_bytes * block_size * self.model.num_layers))
+        """Blocks that fit in `memory_bytes` once every sequence slot's per-sequence caches are set aside."""
+        specs = self.model.cache_specs
+        left = memory_bytes - sequence_bytes(specs) * self.config.scheduler.max_num_seqs
+        return max(1, left // block_bytes(specs, block_size))
 
     # ---- requests -------------------------------------------------------------------------------
 

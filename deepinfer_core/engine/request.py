@@ -30,6 +30,10 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0  # tokens whose KV is in the cache
     num_cached_tokens: int = 0  # of those, how many came from the prefix cache at admission
+    # the first position computed since admission: below it, the per-sequence caches (windows, state)
+    # hold nothing of this request; a prefix hit replays from num_cached_tokens - the model's replay span
+    window_start: int = 0
+    seq_slot: int = -1  # the request's slot in per-sequence caches while it holds blocks
     block_ids: list[int] = field(default_factory=list)
     block_hashes: list[bytes] = field(default_factory=list)  # hash chain of this request's full blocks
     num_preemptions: int = 0

@@ -19,6 +19,7 @@ from deepinfer_core.engine.graphs import DecodeGraphs
 from deepinfer_core.engine.pending import InFlightTokens
 from deepinfer_core.engine.request import Request
 from deepinfer_core.engine.transfer import to_device
+from deepinfer_core.kv.caches import allocate_caches
 from deepinfer_core.sampling.sampler import SampleOutput, SamplingBatch
 
 __all__ = ["ModelRunner", "StepBatch"]
@@ -44,15 +45,17 @@ class ModelRunner:
         *,
         graph_batch_size: int = 0,
         max_model_len: int = 0,
+        num_seq_slots: int = 64,
     ) -> None:
         """graph_batch_size > 0 replays decode steps of up to that many sequences from device graphs,
-        where the backend can capture them; the caches then get one scratch block for padding rows."""
+        where the backend can capture them; the caches then get one scratch block for padding rows.
+        Per-sequence caches get `num_seq_slots` slots (the scheduler's max_num_seqs)."""
         self.model, self.backend, self.sampler = model, backend, backend.sampler
         self.device = backend.torch_device
         self.block_size = backend.kv_layout.block_size
-        use_graphs = backend.graphs is not None and graph_batch_size > 0
+        use_graphs = backend.graphs is not None and graph_batch_size > 0 and model.graph_capture
         units = num_blocks + 1 if use_graphs else num_blocks  # block `num_blocks`: the padding rows' scratch
-        self.caches = [backend.kv_layout.allocate(model.cache_spec, units) for _ in range(model.num_layers)]
+        self.caches = allocate_caches(backend.kv_layout, model.cache_specs, units, num_seq_slots)
         self.logits_processors = list(logits_processors)
         self.graphs = None
         if use_graphs:
@@ -70,6 +73,7 @@ class ModelRunner:
     def prepare(self, scheduled: Sequence[tuple[Request, int]], in_flight: InFlightTokens | None = None) -> StepBatch:
         """The step's inputs on the device. A request's newest token may be one `in_flight` sampled."""
         token_ids, positions, slots, starts, seq_lens, tables, sample_rows, last = [], [], [], [0], [], [], [], []
+        seq_slots, window_starts, cached_lens = [], [], []
         fill_at, fill_from = [], []  # index in token_ids <- row of in_flight.token_ids
         for row, (request, count) in enumerate(scheduled):
             begin, end = request.num_computed_tokens, request.num_computed_tokens + count
@@ -88,6 +92,9 @@ class ModelRunner:
             starts.append(starts[-1] + count)
             seq_lens.append(end)
             tables.append(request.block_ids)
+            seq_slots.append(request.seq_slot)
+            window_starts.append(request.window_start)
+            cached_lens.append(request.num_cached_tokens)
             if end == request.num_tokens:  # the step reaches its last token: sample the next one
                 sample_rows.append(row)
                 last.append(starts[-1] - 1)
@@ -100,7 +107,8 @@ class ModelRunner:
         tokens = to_device(token_ids, device)  # [T]
         if fill_at:
             tokens[to_device(fill_at, device)] = in_flight.token_ids[to_device(fill_from, device)]
-        on_device = [to_device(values, device) for values in (starts, seq_lens, block_tables, slots)]
+        fields = (starts, seq_lens, block_tables, slots, seq_slots, window_starts, cached_lens)
+        on_device = [to_device(values, device) for values in fields]
         meta = AttentionMetadata(*on_device)
         sampled = [scheduled[row][0] for row in sample_rows]
         return StepBatch(tokens, to_device(positions, device), meta, sample_rows, to_device(last, device), sampled)

@@ -5,7 +5,9 @@ tensor (element order, padding, dtype) and can always export the canonical view 
 conformance suite can compare the caches of two backends.
 
 Slot ids, per cache kind:
-- PAGED: `block_id * block_size + offset_in_block` — one slot per token position.
+- PAGED: `block_id * block_size + offset_in_block` — one slot per token position; with
+  `compress_rate` m > 1 (V4's compressed KV) a block of `block_size` tokens holds block_size / m entries,
+  entry w (tokens w*m .. w*m + m - 1) at `block_id * (block_size / m) + w % (block_size / m)`.
 - SLIDING_WINDOW: `seq_slot * ring_size + position % ring_size` — a per-sequence ring of
   `window + rollback_slots` token slots (production V4.1 Flash: 128 + 6).
 - SEQUENCE_STATE: `seq_slot` — one fixed-shape state per sequence (e.g. V4's compressor state).
@@ -19,7 +21,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-__all__ = ["CacheKind", "CacheSpec", "KVLayout", "paged_slots", "ring_slots"]
+__all__ = ["CacheKind", "CacheSpec", "KVLayout", "compressed_slots", "paged_slots", "ring_slots"]
 
 
 class CacheKind(enum.Enum):
@@ -45,6 +47,7 @@ class CacheSpec:
     # how head_dim splits into parts a layout may store apart (MLA: (kv_lora_rank, rope dims)); () = one
     # part. The canonical entry is always the parts side by side.
     parts: tuple[int, ...] = ()
+    compress_rate: int = 1  # PAGED: original tokens per entry (V4's compressed KV)
 
     def __post_init__(self) -> None:
         if self.kind is CacheKind.SEQUENCE_STATE:
@@ -54,12 +57,20 @@ class CacheSpec:
             raise ValueError(f"a {self.kind.value} cache needs num_heads >= 1 and head_dim >= 1")
         if self.kind is CacheKind.SLIDING_WINDOW and self.window < 1:
             raise ValueError("a SLIDING_WINDOW cache needs window >= 1")
+        if self.compress_rate < 1 or (self.compress_rate > 1 and self.kind is not CacheKind.PAGED):
+            raise ValueError(f"compress_rate {self.compress_rate}: must be >= 1, and > 1 only for PAGED caches")
         if self.parts and (sum(self.parts) != self.head_dim or min(self.parts) < 1):
             raise ValueError(f"parts {self.parts} must be positive and sum to head_dim {self.head_dim}")
 
     @property
     def ring_size(self) -> int:
         return self.window + self.rollback_slots
+
+    def entries_per_block(self, block_size: int) -> int:
+        """PAGED: entries one block of `block_size` tokens holds."""
+        if block_size % self.compress_rate:
+            raise ValueError(f"block size {block_size} is not a multiple of the compress rate {self.compress_rate}")
+        return block_size // self.compress_rate
 
     @property
     def entry_shape(self) -> tuple[int, ...]:
@@ -96,3 +107,10 @@ def paged_slots(block_table: torch.Tensor, positions: torch.Tensor, block_size: 
 def ring_slots(seq_slot: int, positions: torch.Tensor, ring_size: int) -> torch.Tensor:
     """Slot ids of token `positions` [N] in the sliding-window ring of sequence slot `seq_slot`."""
     return seq_slot * ring_size + positions.to(torch.int64) % ring_size
+
+
+def compressed_slots(block_table: torch.Tensor, entries: torch.Tensor, block_size: int, rate: int) -> torch.Tensor:
+    """Slot ids of compressed entries `entries` [N] (entry w covers tokens w*rate ..) of one sequence."""
+    per_block = block_size // rate
+    blocks = block_table[entries // per_block].to(torch.int64)  # [N]
+    return blocks * per_block + entries % per_block

@@ -10,10 +10,12 @@ import pluggy
 from deepinfer_core.backend.extensions import ModelRegistry
 from deepinfer_core.backend.resolve import ResolvedBackend
 from deepinfer_core.model.config import DeepseekConfig
+from deepinfer_core.model.config_v4 import DeepseekV4Config
 from deepinfer_core.model.deepseek_v3 import FLOAT32_WEIGHTS, FP8_WEIGHTS, DeepseekV3Model, expected_weights
+from deepinfer_core.model.deepseek_v4 import FLOAT32_WEIGHTS_V4, DeepseekV4Model, expected_weights_v4
 from deepinfer_core.model.loader import CheckpointError, load_tensors, read_config
 
-__all__ = ["load_deepseek", "load_model", "model_registry"]
+__all__ = ["load_deepseek", "load_deepseek_v4", "load_model", "model_registry"]
 
 
 def load_deepseek(path: Path, raw_config: dict[str, Any], backend: ResolvedBackend, progress: bool = True):
@@ -25,11 +27,18 @@ def load_deepseek(path: Path, raw_config: dict[str, Any], backend: ResolvedBacke
     return DeepseekV3Model(config, weights, backend)
 
 
+def load_deepseek_v4(path: Path, raw_config: dict[str, Any], backend: ResolvedBackend, progress: bool = True):
+    config = DeepseekV4Config.from_hf(raw_config)
+    weights = load_tensors(path, raw_config, expected_weights_v4(config), backend.dtype, FLOAT32_WEIGHTS_V4, progress)
+    return DeepseekV4Model(config, weights, backend)
+
+
 def model_registry(plugin_manager: pluggy.PluginManager | None = None) -> ModelRegistry:
     """Built-in architectures plus those registered by `deepinfer.plugins` plugins."""
     registry = ModelRegistry()
     for architecture in ("DeepseekV3ForCausalLM", "DeepseekV2ForCausalLM"):
         registry.register(architecture, load_deepseek)
+    registry.register("DeepseekV4ForCausalLM", load_deepseek_v4)
     if plugin_manager is not None:
         plugin_manager.hook.deepinfer_register_models(registry=registry)
     return registry

@@ -31,10 +31,15 @@ class RopeConfig:
     beta_slow: float = 1.0
     mscale: float = 0.0
     mscale_all_dim: float = 0.0
+    attention_factor: float | None = None  # YaRN: the cos/sin factor when given (V4 sets 1), else from mscale
 
     @classmethod
     def from_hf(cls, raw: dict[str, Any]) -> RopeConfig:
-        params = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+        return cls.from_params(raw.get("rope_parameters") or raw.get("rope_scaling") or {}, raw)
+
+    @classmethod
+    def from_params(cls, params: dict[str, Any], raw: dict[str, Any]) -> RopeConfig:
+        """From one rope-parameters dict; `raw` (the whole config) supplies a top-level rope_theta."""
         kind = params.get("rope_type") or params.get("type") or "default"
         if kind not in ("default", "yarn"):
             raise ConfigError(f"rope scaling type {kind!r} is not supported (supported: default, yarn)")
@@ -50,6 +55,7 @@ class RopeConfig:
             beta_slow=float(params.get("beta_slow") or 1),
             mscale=float(params.get("mscale") or 0),
             mscale_all_dim=float(params.get("mscale_all_dim") or 0),
+            attention_factor=None if params.get("attention_factor") is None else float(params["attention_factor"]),
         )
 
 

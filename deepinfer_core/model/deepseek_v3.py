@@ -80,6 +80,9 @@ def expected_weights(cfg: DeepseekConfig) -> dict[str, tuple[int, ...]]:
 class DeepseekV3Model:
     """Holds the weights on the backend's device and runs one step over a ragged batch."""
 
+    graph_capture = True  # its decode steps can be replayed from device graphs
+    replay_tokens = 0  # no per-sequence caches to rebuild on a prefix hit
+
     def __init__(self, config: DeepseekConfig, weights: dict[str, torch.Tensor], backend: ResolvedBackend) -> None:
         device = backend.torch_device
         w = {name: t.to(device) for name, t in weights.items()}
@@ -91,6 +94,7 @@ class DeepseekV3Model:
             head_dim=config.latent_dim,
             parts=(config.kv_lora_rank, config.qk_rope_head_dim),  # latent | rotated shared key
         )
+        self.cache_specs = [{"kv": self.cache_spec}] * config.num_hidden_layers
         cos, sin = rotary_tables(config.rope, config.qk_rope_head_dim, config.max_position_embeddings)
         rope = (cos.to(device), sin.to(device))
         scale = softmax_scale(config.rope, config.qk_head_dim)
@@ -101,7 +105,10 @@ class DeepseekV3Model:
         for i in range(config.num_hidden_layers):
             p = f"model.layers.{i}"
             attention = MLAttention(backend, config, w, f"{p}.self_attn", rope, scale)
-            mlp = MoE(backend, config, w, f"{p}.mlp") if config.is_moe_layer(i) else DenseMLP(backend, w, f"{p}.mlp")
+            if config.is_moe_layer(i):
+                mlp = MoE.from_weights(backend, config, w, f"{p}.mlp")
+            else:
+                mlp = DenseMLP.from_weights(backend, w, f"{p}.mlp")
             self.layers.append(
                 (w[f"{p}.input_layernorm.weight"], attention, w[f"{p}.post_attention_layernorm.weight"], mlp)
             )
@@ -111,13 +118,20 @@ class DeepseekV3Model:
         return len(self.layers)
 
     def forward(
-        self, token_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, caches: list[torch.Tensor]
+        self,
+        token_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        caches: list[dict[str, torch.Tensor]],
     ) -> torch.Tensor:
-        """token_ids, positions [T] -> final hidden states [T, D]; writes this step's latents to `caches`."""
+        """token_ids, positions [T] -> final hidden states [T, D]; writes this step's latents to `caches`
+        (per layer, the cache named "kv" of `cache_specs`)."""
         ops, eps = self.ops, self.config.rms_norm_eps
         hidden = self.embed[token_ids]  # [T, D]
         for (attn_norm, attention, mlp_norm, mlp), cache in zip(self.layers, caches):
-            hidden = hidden + attention(ops.rms_norm(hidden, attn_norm, eps), positions, meta, cache, self.cache_spec)
+            hidden = hidden + attention(
+                ops.rms_norm(hidden, attn_norm, eps), positions, meta, cache["kv"], self.cache_spec
+            )
             hidden = hidden + mlp(ops.rms_norm(hidden, mlp_norm, eps))
         return ops.rms_norm(hidden, self.norm, eps)
 

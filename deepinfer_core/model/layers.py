@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from deepinfer_core.backend.ops import AttentionMetadata, BlockFP8
+from deepinfer_core.backend.ops import AttentionMetadata, BlockFP8, RoutingConfig
 from deepinfer_core.backend.resolve import ResolvedBackend
 from deepinfer_core.kv.layout import CacheSpec
 from deepinfer_core.model.config import DeepseekConfig
@@ -19,43 +19,81 @@ Weights = dict[str, torch.Tensor]
 
 
 class DenseMLP:
-    """down(silu(gate(x)) * up(x)), with gate and up fused into one GEMM."""
+    """down(silu(gate(x)) * up(x)), with gate and up fused into one GEMM; `limit` is V4's swiglu_limit."""
 
-    def __init__(self, backend: ResolvedBackend, w: Weights, prefix: str) -> None:
-        self.ops = backend.ops
-        gate_up = [w[f"{prefix}.gate_proj.weight"], w[f"{prefix}.up_proj.weight"]]
-        self.w13 = BlockFP8.concat_rows(gate_up, backend.dtype)  # [2I, D]
-        self.w2 = w[f"{prefix}.down_proj.weight"]  # [D, I]
+    def __init__(
+        self, backend: ResolvedBackend, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor, limit: float | None
+    ) -> None:
+        self.ops, self.limit = backend.ops, limit
+        self.w13 = BlockFP8.concat_rows([gate, up], backend.dtype)  # [2I, D]
+        self.w2 = down  # [D, I]
+
+    @classmethod
+    def from_weights(cls, backend: ResolvedBackend, w: Weights, prefix: str) -> DenseMLP:
+        """From Hugging Face names: {prefix}.gate_proj / up_proj / down_proj."""
+        return cls(backend, *(w[f"{prefix}.{n}_proj.weight"] for n in ("gate", "up", "down")), None)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return self.ops.linear(self.ops.silu_and_mul(self.ops.linear(x, self.w13)), self.w2)
+        activated = self.ops.silu_and_mul(self.ops.linear(x, self.w13), **_limit(self.limit, "limit"))
+        return self.ops.linear(activated, self.w2)
+
+
+def _limit(limit: float | None, keyword: str) -> dict[str, float]:
+    """The swiglu-limit keyword only when there is a limit: backends without V4 ops keep their signature."""
+    return {} if limit is None else {keyword: limit}
 
 
 class MoE:
-    """Routed experts (grouped top-k with score-correction bias) plus always-on shared experts."""
+    """Routed experts plus always-on shared experts.
 
-    def __init__(self, backend: ResolvedBackend, config: DeepseekConfig, w: Weights, prefix: str) -> None:
-        self.ops = backend.ops
-        self.comm = backend.communicator
-        self.routing = config.routing
-        self.gate = w[f"{prefix}.gate.weight"]  # [E, D] float32
-        self.bias = w.get(f"{prefix}.gate.e_score_correction_bias")  # [E] float32 or None
-        per_rank = config.n_routed_experts // self.comm.world_size
-        local = range(self.comm.rank * per_rank, (self.comm.rank + 1) * per_rank)
-        expert = f"{prefix}.experts"
-        gate_up = [[w[f"{expert}.{e}.gate_proj.weight"], w[f"{expert}.{e}.up_proj.weight"]] for e in local]
-        w13 = [BlockFP8.concat_rows(pair, backend.dtype) for pair in gate_up]
+    `experts` holds (gate, up, down) of every expert; this rank keeps those its communicator assigns it.
+    Hash routing (V4) takes the experts from `hash_table` [vocab, top_k] by token id.
+    """
+
+    def __init__(
+        self,
+        backend: ResolvedBackend,
+        routing: RoutingConfig,
+        gate: torch.Tensor,
+        bias: torch.Tensor | None,
+        experts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+        shared: DenseMLP | None,
+        *,
+        limit: float | None = None,
+        hash_table: torch.Tensor | None = None,
+    ) -> None:
+        self.ops, self.comm, self.routing, self.limit = backend.ops, backend.communicator, routing, limit
+        self.gate, self.bias, self.shared, self.hash_table = gate, bias, shared, hash_table  # gate [E, D] float32
+        per_rank = routing.num_experts // self.comm.world_size
+        local = experts[self.comm.rank * per_rank : (self.comm.rank + 1) * per_rank]
+        w13 = [BlockFP8.concat_rows([gate_w, up_w], backend.dtype) for gate_w, up_w, _ in local]
         if len({type(t) for t in w13}) > 1:  # some experts could not stay FP8: none do
             w13 = [t.dequantize(backend.dtype) if isinstance(t, BlockFP8) else t for t in w13]
         self.w13 = BlockFP8.stack(w13)  # [E_local, 2I, D]
-        self.w2 = BlockFP8.stack([w[f"{expert}.{e}.down_proj.weight"] for e in local])  # [E_local, D, I]
-        self.shared = DenseMLP(backend, w, f"{prefix}.shared_experts") if config.n_shared_experts else None
+        self.w2 = BlockFP8.stack([down for _, _, down in local])  # [E_local, D, I]
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    @classmethod
+    def from_weights(cls, backend: ResolvedBackend, config: DeepseekConfig, w: Weights, prefix: str) -> MoE:
+        """From Hugging Face V2/V3 names under {prefix} (mlp.gate, mlp.experts.{e}, mlp.shared_experts)."""
+        experts = [
+            tuple(w[f"{prefix}.experts.{e}.{n}_proj.weight"] for n in ("gate", "up", "down"))
+            for e in range(config.n_routed_experts)
+        ]
+        shared = DenseMLP.from_weights(backend, w, f"{prefix}.shared_experts") if config.n_shared_experts else None
+        bias = w.get(f"{prefix}.gate.e_score_correction_bias")
+        return cls(backend, config.routing, w[f"{prefix}.gate.weight"], bias, experts, shared)
+
+    def __call__(self, x: torch.Tensor, token_ids: torch.Tensor | None = None) -> torch.Tensor:
         router_logits = self.ops.linear(x.float(), self.gate)  # [T, E], routed in float32
-        weights, ids = self.ops.moe_route(router_logits, self.routing, self.bias)  # [T, K]
+        if self.hash_table is None:
+            weights, ids = self.ops.moe_route(router_logits, self.routing, self.bias)  # [T, K]
+        else:
+            table = self.hash_table[token_ids]
+            weights, ids = self.ops.moe_route(router_logits, self.routing, self.bias, expert_ids=table)
         dispatched = self.comm.dispatch(x, ids, self.routing.num_experts)
-        expert_out = self.ops.expert_ffn(dispatched.hidden, dispatched.tokens_per_expert, self.w13, self.w2)
+        expert_out = self.ops.expert_ffn(
+            dispatched.hidden, dispatched.tokens_per_expert, self.w13, self.w2, **_limit(self.limit, "swiglu_limit")
+        )
         out = self.comm.combine(expert_out, dispatched, weights)  # [T, D]
         return out if self.shared is None else out + self.shared(x)
 

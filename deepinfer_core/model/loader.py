@@ -130,6 +130,10 @@ def load_tensors(
                     continue
                 tensor = dequantize_fp8_blocks(tensor, scale, block)
             _check_shape(name, files[name], tensor, shape)
+            if not tensor.is_floating_point():  # integer tables (V4's tid2eid) stay as stored
+                tensors[name] = tensor
+                bar.update()
+                continue
             keep = keep_float32 is not None and keep_float32.search(name)
             tensors[name] = tensor.to(torch.float32 if keep else dtype)
             bar.update()

@@ -35,7 +35,9 @@ def _inverse_frequencies(rope: RopeConfig, dim: int) -> tuple[torch.Tensor, floa
     ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / span, 0, 1)
     keep = 1 - ramp  # 1: extrapolate (keep the original frequency), 0: interpolate
     inv_freq = (1.0 / (rope.factor * base_freqs)) * (1 - keep) + (1.0 / base_freqs) * keep
-    if rope.mscale and rope.mscale_all_dim:
+    if rope.attention_factor is not None:
+        attention_factor = rope.attention_factor
+    elif rope.mscale and rope.mscale_all_dim:
         attention_factor = _yarn_mscale(rope.factor, rope.mscale) / _yarn_mscale(rope.factor, rope.mscale_all_dim)
     else:
         attention_factor = _yarn_mscale(rope.factor)

@@ -10,7 +10,7 @@ __all__ = ["ReferenceKVLayout"]
 
 
 class ReferenceKVLayout:
-    """PAGED: [num_blocks * block_size, H, D]; SLIDING_WINDOW: [seqs * ring_size, H, D];
+    """PAGED: [num_blocks * entries per block, H, D]; SLIDING_WINDOW: [seqs * ring_size, H, D];
     SEQUENCE_STATE: [seqs, *state_shape]. Slot id = row index, so gather is plain indexing."""
 
     def __init__(self, device: torch.device, block_size: int = 128) -> None:
@@ -19,7 +19,7 @@ class ReferenceKVLayout:
 
     def _rows(self, spec: CacheSpec, num_units: int) -> int:
         if spec.kind is CacheKind.PAGED:
-            return num_units * self.block_size
+            return num_units * spec.entries_per_block(self.block_size)
         if spec.kind is CacheKind.SLIDING_WINDOW:
             return num_units * spec.ring_size
         return num_units

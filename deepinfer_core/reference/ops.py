@@ -42,18 +42,34 @@ class ReferenceOps:
     def head_linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return torch.einsum("thk,hnk->thn", x, weight)
 
-    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+    def silu_and_mul(self, x: torch.Tensor, *, limit: float | None = None) -> torch.Tensor:
         gate, up = x.chunk(2, dim=-1)
+        if limit is not None:
+            gate, up = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
         return F.silu(gate) * up
 
     def moe_route(
-        self, router_logits: torch.Tensor, config: RoutingConfig, correction_bias: torch.Tensor | None = None
+        self,
+        router_logits: torch.Tensor,
+        config: RoutingConfig,
+        correction_bias: torch.Tensor | None = None,
+        *,
+        expert_ids: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         logits = router_logits.float()  # [T, E]
-        scores = logits.sigmoid() if config.scoring == "sigmoid" else logits.softmax(dim=-1)
+        if config.scoring == "sigmoid":
+            scores = logits.sigmoid()
+        elif config.scoring == "sqrtsoftplus":
+            scores = F.softplus(logits).sqrt()
+        else:
+            scores = logits.softmax(dim=-1)
         choice = scores if correction_bias is None else scores + correction_bias.float()  # ranks experts
         tokens = scores.shape[0]
-        if config.method != "greedy" and config.num_groups > 1:
+        if config.method == "hash":
+            if expert_ids is None:
+                raise ValueError("hash routing needs expert_ids (the token id -> experts table's rows)")
+            choice = None
+        elif config.method != "greedy" and config.num_groups > 1:
             grouped = choice.view(tokens, config.num_groups, -1)  # [T, G, E/G]
             if config.method == "noaux_tc":
                 group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)  # [T, G]
@@ -63,14 +79,20 @@ class ReferenceOps:
             group_mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, kept_groups, True)
             expert_mask = group_mask[:, :, None].expand_as(grouped).reshape(tokens, -1)
             choice = choice.masked_fill(~expert_mask, float("-inf"))
-        ids = choice.topk(config.top_k, dim=-1).indices  # [T, K]
+        ids = expert_ids.long() if choice is None else choice.topk(config.top_k, dim=-1).indices  # [T, K]
         weights = scores.gather(1, ids)  # weighted by the raw score, not the bias-corrected one
         if config.normalize:
             weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
         return weights * config.routed_scaling_factor, ids
 
     def expert_ffn(
-        self, x: torch.Tensor, tokens_per_expert: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor
+        self,
+        x: torch.Tensor,
+        tokens_per_expert: torch.Tensor,
+        w13: torch.Tensor,
+        w2: torch.Tensor,
+        *,
+        swiglu_limit: float | None = None,
     ) -> torch.Tensor:
         if isinstance(w13, BlockFP8):
             w13 = w13.dequantize(x.dtype)
@@ -81,7 +103,46 @@ class ReferenceOps:
         for expert, count in enumerate(tokens_per_expert.tolist()):
             if count:
                 rows = x[start : start + count]  # [n, D]
-                hidden = self.silu_and_mul(F.linear(rows, w13[expert]))  # [n, I]
+                hidden = self.silu_and_mul(F.linear(rows, w13[expert]), limit=swiglu_limit)  # [n, I]
                 out[start : start + count] = F.linear(hidden, w2[expert])
             start += count
         return out
+
+    def hc_pre(
+        self,
+        streams: torch.Tensor,
+        fn: torch.Tensor,
+        scale: torch.Tensor,
+        base: torch.Tensor,
+        *,
+        sinkhorn_iters: int,
+        eps: float,
+        norm_eps: float,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        n = streams.shape[1]
+        flat = streams.flatten(1).float()  # [T, N * D]
+        flat = flat * torch.rsqrt(flat.square().mean(dim=-1, keepdim=True) + norm_eps)
+        mixes = F.linear(flat, fn.float())  # [T, (2 + N) N] or [T, N]
+        scale, base = scale.float(), base.float()
+        pre = torch.sigmoid(mixes[:, :n] * scale[0] + base[:n]) + eps  # [T, N]
+        collapsed = (pre[:, :, None] * streams).sum(dim=1).to(streams.dtype)  # [T, D]
+        if fn.shape[0] == n:
+            return collapsed, None, None
+        post = 2 * torch.sigmoid(mixes[:, n : 2 * n] * scale[1] + base[n : 2 * n])
+        comb = (mixes[:, 2 * n :] * scale[2] + base[2 * n :]).unflatten(1, (n, n)).softmax(dim=-1) + eps
+        comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
+        for _ in range(sinkhorn_iters - 1):
+            comb = comb / (comb.sum(dim=-1, keepdim=True) + eps)
+            comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
+        return collapsed, post, comb
+
+    def hc_post(
+        self, block_out: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, comb: torch.Tensor
+    ) -> torch.Tensor:
+        dtype = streams.dtype
+        mixed = torch.matmul(comb.to(dtype).transpose(-1, -2), streams)  # [T, N, D]: sum_j comb[j, k] X_j
+        return post.to(dtype)[:, :, None] * block_out[:, None, :] + mixed
+
+    def softmax_pool(self, values: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        weights = logits.float().softmax(dim=1).to(values.dtype)  # [N, S, D]
+        return (values * weights).sum(dim=1)

@@ -72,5 +72,5 @@ def test_padding_rows_write_the_scratch_block(tiny_checkpoint):
     _, llm = _run(tiny_checkpoint, capture, 8)
     runner, layout = llm.engine.runner, llm.backend.kv_layout
     scratch_slot = torch.tensor([llm.engine.blocks.num_blocks * runner.block_size])  # first slot of the scratch block
-    written = [layout.gather(cache, llm.model.cache_spec, scratch_slot) for cache in runner.caches]
+    written = [layout.gather(cache["kv"], llm.model.cache_spec, scratch_slot) for cache in runner.caches]
     assert all(bool(entry.abs().sum() > 0) for entry in written), "padding rows did not write the scratch block"

@@ -22,6 +22,7 @@ from deepinfer_core.backend.registry import discover
 from deepinfer_core.backend.resolve import resolve_backend
 from deepinfer_core.backend.selection import select_backend
 from deepinfer_core.errors import DeepInferError
+from deepinfer_core.kv.caches import allocate_caches
 from deepinfer_core.model import load_model, model_registry
 from deepinfer_core.model.config import ConfigError, DeepseekConfig, RopeConfig
 from deepinfer_core.model.deepseek_v3 import FLOAT32_WEIGHTS, DeepseekV3Model, expected_weights
@@ -176,7 +177,7 @@ def prefill_logits(model, backend, tokens: list[int]) -> torch.Tensor:
     n = len(tokens)
     size = backend.kv_layout.block_size
     blocks = -(-n // size)
-    caches = [backend.kv_layout.allocate(model.cache_spec, blocks) for _ in range(model.num_layers)]
+    caches = allocate_caches(backend.kv_layout, model.cache_specs, blocks, 1)
     meta = AttentionMetadata(
         query_start_loc=torch.tensor([0, n]),
         seq_lens=torch.tensor([n]),

@@ -25,7 +25,7 @@ class HeadMajorKVLayout:
 
     def _unit_tokens(self, spec: CacheSpec) -> int:
         """Token slots per unit: a block (PAGED) or a ring (SLIDING_WINDOW)."""
-        return self.block_size if spec.kind is CacheKind.PAGED else spec.ring_size
+        return spec.entries_per_block(self.block_size) if spec.kind is CacheKind.PAGED else spec.ring_size
 
     def allocate(self, spec: CacheSpec, num_units: int) -> torch.Tensor:
         if spec.kind is CacheKind.SEQUENCE_STATE:
