@@ -356,6 +356,8 @@ class V4AttentionOps(Protocol):
         q [T, Hi, Di]; weights [T, Hi] float32; keys: PAGED cache of compressed indexer keys (entries
         [1, Di], rate m = keys_spec.compress_rate). score[t, w] = sum_h weights[t, h] * relu(q[t, h] . k_w)
         * scale in float32, over the entries w < (t + 1) // m of t's sequence. Returns [T, top_k] int64:
-        the min(top_k, visible) best w per query (any order), then -1.
+        the min(top_k, visible) best w per query (any order), then -1. Equal scores (ReLU makes exact
+        zeros common) go to the lower entry number, so the choice does not depend on how the prompt was
+        chunked (transformers' torch.topk breaks such ties by its own rule).
         """
         ...

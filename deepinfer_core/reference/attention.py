@@ -137,7 +137,7 @@ class ReferenceAttention:
             visible = torch.arange(count, device=q.device)[None, :] < ((q_pos + 1) // rate)[:, None]
             scores = scores.masked_fill(~visible, float("-inf"))
             k = min(top_k, count)
-            picks = scores.topk(k, dim=-1).indices  # [Q, k]
+            picks = scores.sort(dim=-1, descending=True, stable=True).indices[:, :k]  # ties: lower entry first
             picks = torch.where(picks < ((q_pos + 1) // rate)[:, None], picks, -1)
             out[q_start:q_end, :k] = picks
         return out

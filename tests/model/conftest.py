@@ -1,4 +1,4 @@
-"""Fixtures for the Hugging Face parity tests: tiny random DeepSeek-V3 checkpoints built with transformers."""
+"""Fixtures for the Hugging Face parity tests: tiny random DeepSeek-V3 / V4 checkpoints built with transformers."""
 
 from __future__ import annotations
 
@@ -11,14 +11,14 @@ import pytest
 _HELPER = "deepinfer_tests_hf_checkpoints"
 
 
-def _helper():
-    """tests/model/hf_checkpoints.py as one module per process (tests/engine loads the same one)."""
-    if _HELPER not in sys.modules:
-        spec = importlib.util.spec_from_file_location(_HELPER, Path(__file__).with_name("hf_checkpoints.py"))
+def _helper(name: str = _HELPER, file: str = "hf_checkpoints.py"):
+    """A helper file of tests/model as one module per process (tests/engine loads the same one)."""
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name(file))
         module = importlib.util.module_from_spec(spec)
-        sys.modules[_HELPER] = module
+        sys.modules[name] = module
         spec.loader.exec_module(module)
-    return sys.modules[_HELPER]
+    return sys.modules[name]
 
 
 @pytest.fixture(scope="session")
@@ -28,3 +28,12 @@ def hf_checkpoint(tmp_path_factory):
     helper = _helper()
     root = tmp_path_factory.mktemp("hf-deepseek-v3")
     return lambda variant: helper.build_checkpoint(variant, root)
+
+
+@pytest.fixture(scope="session")
+def hf_v4_checkpoint(tmp_path_factory):
+    """hf_v4_checkpoint("a" | "b") -> Checkpoint(variant, path, hf_model) of a tiny DeepSeek-V4."""
+    pytest.importorskip("transformers")
+    helper = _helper("deepinfer_tests_hf_v4_checkpoints", "hf_v4_checkpoints.py")
+    root = tmp_path_factory.mktemp("hf-deepseek-v4")
+    return lambda variant: helper.build_v4_checkpoint(variant, root)
