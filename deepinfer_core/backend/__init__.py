@@ -2,12 +2,23 @@
 
 from deepinfer_core.backend.extensions import LogitsProcessor, ModelRegistry, Observer, RequestEvent, StepStats
 from deepinfer_core.backend.hookspecs import API_VERSION, REQUIRED_BACKEND_HOOKS, BackendSpec, PluginSpec, hookimpl
-from deepinfer_core.backend.ops import OP_NAMES, AttentionMetadata, AttentionOps, BlockFP8, Ops, RoutingConfig
+from deepinfer_core.backend.ops import (
+    OP_NAMES,
+    V4_OPS,
+    AttentionMetadata,
+    AttentionOps,
+    BlockFP8,
+    Ops,
+    RoutingConfig,
+    V4AttentionOps,
+    V4Ops,
+)
 from deepinfer_core.backend.types import BackendInfo, Capabilities, DeviceFacts, ProbeResult
 
 __all__ = [
     "API_VERSION",
     "OP_NAMES",
+    "V4_OPS",
     "REQUIRED_BACKEND_HOOKS",
     "AttentionMetadata",
     "AttentionOps",
@@ -25,5 +36,7 @@ __all__ = [
     "RequestEvent",
     "RoutingConfig",
     "StepStats",
+    "V4AttentionOps",
+    "V4Ops",
     "hookimpl",
 ]

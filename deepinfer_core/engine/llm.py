@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -10,13 +11,14 @@ import torch
 
 from deepinfer_core.backend.registry import discover
 from deepinfer_core.backend.resolve import ResolvedBackend, resolve_backend
-from deepinfer_core.backend.selection import select_backend
+from deepinfer_core.backend.selection import requested_accelerator, select_backend
 from deepinfer_core.engine.engine import Engine, EngineConfig
 from deepinfer_core.engine.request import RequestOutput
 from deepinfer_core.engine.scheduler import SchedulerConfig
 from deepinfer_core.engine.tokenizer import Tokenizer, demo_tokenizer_dir
 from deepinfer_core.errors import DeepInferError
 from deepinfer_core.model import load_model, model_registry
+from deepinfer_core.model.deepseek_v4 import UnsupportedModelError
 from deepinfer_core.model.demo import DEMO_NAME, demo_model
 from deepinfer_core.sampling.params import SamplingParams
 
@@ -26,6 +28,24 @@ log = logging.getLogger(__name__)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 Prompt = str | Sequence[int]
+
+
+def _load_on_first_able(discovery, accelerator: str | None, resolve, load):
+    """(backend, model) on the requested backend; under `auto`, on the first available backend (in
+    priority order) that can run the model, saying which ones could not and why."""
+    if requested_accelerator(accelerator) != "auto":
+        backend = resolve(select_backend(discovery, accelerator))
+        return backend, load(backend)
+    candidates = [entry for entry in discovery.backends if entry.available] or [select_backend(discovery, "auto")]
+    for i, entry in enumerate(candidates):  # select_backend above raised, with the reason, if none is available
+        backend = resolve(entry)
+        try:
+            return backend, load(backend)
+        except UnsupportedModelError as err:
+            if i == len(candidates) - 1:
+                raise
+            log.warning("%s; trying the next available backend", err)
+    raise AssertionError("unreachable: the last candidate returns or raises")
 
 
 class LLM:
@@ -63,24 +83,31 @@ class LLM:
         if dtype not in _DTYPES:
             raise DeepInferError(f"dtype {dtype!r} is not one of {', '.join(_DTYPES)}")
         discovery = discover()
-        self.backend: ResolvedBackend = backend or resolve_backend(
-            select_backend(discovery, accelerator),
-            dtype=_DTYPES[dtype],
-            block_size=block_size,
-            batch_invariant=batch_invariant,
-        )
         if model is None:
-            self.model_name = DEMO_NAME
             log.warning(
-                "no --model given: serving the embedded demo model (DeepSeek-V3 architecture with "
+                "no --model given: serving the embedded demo model (DeepSeek-V4 architecture with "
                 "deterministic RANDOM weights; its output is meaningless)"
             )
-            self.model = demo_model(self.backend)
+        registry = model_registry(discovery.plugin_manager)
+
+        def load(on: ResolvedBackend):
+            if model is None:
+                return demo_model(on)
+            return load_model(Path(model), on, registry, progress)
+
+        if backend is not None:
+            self.backend, self.model = backend, load(backend)
+        else:
+            resolve = functools.partial(
+                resolve_backend, dtype=_DTYPES[dtype], block_size=block_size, batch_invariant=batch_invariant
+            )
+            self.backend, self.model = _load_on_first_able(discovery, accelerator, resolve, load)
+        if model is None:
+            self.model_name = DEMO_NAME
             self.tokenizer_dir: Path | None = demo_tokenizer_dir()
         else:
             path = Path(model)
             self.model_name = path.name
-            self.model = load_model(path, self.backend, model_registry(discovery.plugin_manager), progress)
             self.tokenizer_dir = path if (path / "tokenizer.json").is_file() else None
         self.tokenizer = Tokenizer.from_dir(self.tokenizer_dir) if self.tokenizer_dir else None
         hook = discovery.plugin_manager.hook

@@ -1,7 +1,9 @@
-"""The embedded demo model: DeepSeek-V3 architecture, deterministic random weights, the V4 tokenizer.
+"""The embedded demo model: DeepSeek-V4 architecture, deterministic random weights, the V4 tokenizer.
 
 It exists so that `deepinfer generate` / `serve` work on a fresh machine with no checkpoint, and so
-tests exercise the real path. Its output is meaningless: the weights are random.
+tests exercise the real path. Its output is meaningless: the weights are random. The architecture is
+V4 Flash's at a tiny size: every attention type (sliding window, CSA at rate 4, HCA at rate 32 with a
+128-token window), hyper-connections with 4 streams, hash-routed then sqrtsoftplus-routed experts.
 """
 
 from __future__ import annotations
@@ -9,38 +11,43 @@ from __future__ import annotations
 import torch
 
 from deepinfer_core.backend.resolve import ResolvedBackend
-from deepinfer_core.model.config import DeepseekConfig
-from deepinfer_core.model.deepseek_v3 import FLOAT32_WEIGHTS, DeepseekV3Model, expected_weights
+from deepinfer_core.model.config_v4 import CSA, HCA, SLIDING, DeepseekV4Config
+from deepinfer_core.model.deepseek_v4 import FLOAT32_WEIGHTS_V4, DeepseekV4Model, expected_weights_v4
 
 __all__ = ["DEMO_CONFIG", "DEMO_NAME", "demo_model"]
 
-DEMO_NAME = "deepinfer-demo-deepseek-v3-random"
+DEMO_NAME = "deepinfer-demo-deepseek-v4-random"
 DEMO_SEED = 20261129
 DEMO_CONFIG = {
-    "architectures": ["DeepseekV3ForCausalLM"],
+    "architectures": ["DeepseekV4ForCausalLM"],
     "vocab_size": 129280,  # the DeepSeek-V4 tokenizer's vocabulary
     "hidden_size": 256,
-    "intermediate_size": 512,
     "moe_intermediate_size": 128,
     "num_hidden_layers": 4,
-    "first_k_dense_replace": 1,
+    "layer_types": [SLIDING, CSA, HCA, CSA],
+    "mlp_layer_types": ["hash_moe", "moe", "moe", "moe"],
+    "compress_rates": {CSA: 4, HCA: 32},  # V4 Flash: HCA 128; 32 divides every block size the backends use
+    "sliding_window": 128,
     "num_attention_heads": 4,
+    "head_dim": 128,
+    "partial_rotary_factor": 0.125,  # 16 rope dims, V4 Flash's share
     "q_lora_rank": 128,
-    "kv_lora_rank": 64,
-    "qk_nope_head_dim": 32,
-    "qk_rope_head_dim": 32,
-    "v_head_dim": 32,
+    "o_groups": 2,
+    "o_lora_rank": 64,
+    "index_n_heads": 4,
+    "index_head_dim": 32,
+    "index_topk": 64,
+    "hc_mult": 4,
+    "hc_sinkhorn_iters": 20,
     "n_routed_experts": 16,
     "num_experts_per_tok": 4,
-    "n_group": 4,
-    "topk_group": 2,
-    "n_shared_experts": 1,
-    "routed_scaling_factor": 2.5,
-    "norm_topk_prob": True,
-    "topk_method": "noaux_tc",
-    "scoring_func": "sigmoid",
+    "scoring_func": "sqrtsoftplus",
+    "routed_scaling_factor": 1.5,
+    "swiglu_limit": 10.0,
     "max_position_embeddings": 8192,
     "rope_theta": 10000.0,
+    "compress_rope_theta": 160000.0,
+    "rope_parameters": {"rope_type": "yarn", "factor": 16.0, "original_max_position_embeddings": 65536},
     "rms_norm_eps": 1e-6,
     "tie_word_embeddings": True,
     "bos_token_id": 0,
@@ -48,23 +55,26 @@ DEMO_CONFIG = {
 }
 
 
-def demo_weights(config: DeepseekConfig, seed: int = DEMO_SEED) -> dict[str, torch.Tensor]:
-    """Deterministic random weights: N(0, 0.02) matrices, unit norms, small router biases."""
+def demo_weights(config: DeepseekV4Config, seed: int = DEMO_SEED) -> dict[str, torch.Tensor]:
+    """Deterministic random weights: N(0, 0.02) matrices and biases, unit norms and mixer scales, a
+    random token -> experts table for the hash-routed layers."""
     generator = torch.Generator().manual_seed(seed)
     weights = {}
-    for name, shape in expected_weights(config).items():
-        if name.endswith("norm.weight"):
+    for name, shape in expected_weights_v4(config).items():
+        if name.endswith(("norm.weight", "_scale")):
             weights[name] = torch.ones(shape)
-        elif name.endswith("e_score_correction_bias"):
-            weights[name] = torch.randn(shape, generator=generator) * 0.01
+        elif name.endswith("tid2eid"):
+            scores = torch.rand((shape[0], config.n_routed_experts), generator=generator)
+            weights[name] = scores.argsort(dim=1)[:, : shape[1]]  # distinct experts per token
         else:
             weights[name] = torch.randn(shape, generator=generator) * 0.02
     return weights
 
 
-def demo_model(backend: ResolvedBackend) -> DeepseekV3Model:
-    config = DeepseekConfig.from_hf(DEMO_CONFIG)
+def demo_model(backend: ResolvedBackend) -> DeepseekV4Model:
+    config = DeepseekV4Config.from_hf(DEMO_CONFIG)
     weights = {
-        name: t if FLOAT32_WEIGHTS.search(name) else t.to(backend.dtype) for name, t in demo_weights(config).items()
+        name: t if FLOAT32_WEIGHTS_V4.search(name) or not t.is_floating_point() else t.to(backend.dtype)
+        for name, t in demo_weights(config).items()
     }
-    return DeepseekV3Model(config, weights, backend)
+    return DeepseekV4Model(config, weights, backend)

@@ -21,7 +21,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-MODEL = "deepinfer-demo-deepseek-v3-random"
+MODEL = "deepinfer-demo-deepseek-v4-random"
 API_KEY = "secret"
 COMMON_ARGS = ["--accelerator", "cpu", "--max-model-len", "2048"]
 

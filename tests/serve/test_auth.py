@@ -9,7 +9,7 @@ import httpx
 import openai
 import pytest
 
-MODEL = "deepinfer-demo-deepseek-v3-random"
+MODEL = "deepinfer-demo-deepseek-v4-random"
 KEY = "secret"
 BODIES = {
     "/v1/chat/completions": {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1},

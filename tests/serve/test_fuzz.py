@@ -21,7 +21,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-MODEL = "deepinfer-demo-deepseek-v3-random"
+MODEL = "deepinfer-demo-deepseek-v4-random"
 CHAT = "/v1/chat/completions"
 RESPONSES = "/v1/responses"
 COMPLETIONS = "/v1/completions"

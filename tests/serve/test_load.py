@@ -12,7 +12,7 @@ import httpx
 import openai
 import pytest
 
-MODEL = "deepinfer-demo-deepseek-v3-random"
+MODEL = "deepinfer-demo-deepseek-v4-random"
 CHAT = "/v1/chat/completions"
 RESPONSES = "/v1/responses"
 COMPLETIONS = "/v1/completions"

@@ -11,7 +11,7 @@ import json
 
 import pytest
 
-MODEL = "deepinfer-demo-deepseek-v3-random"
+MODEL = "deepinfer-demo-deepseek-v4-random"
 MESSAGES = [{"role": "user", "content": "tell me"}]  # greedy decoding of it gives visible text
 GREEDY = {"temperature": 0}
 
@@ -218,8 +218,12 @@ def test_messages_raw_event_sequence(http):
 def test_messages_stop_sequence(anthropic_client):
     whole = anthropic_client.messages.create(model=MODEL, messages=MESSAGES, max_tokens=8, extra_body=GREEDY)
     text = whole.content[0].text
-    stop = text[len(text) // 2 : len(text) // 2 + 2]
-    assert stop.strip()
+    # two characters from the middle whose first occurrence is past the start (text before the stop exists)
+    stop = next(
+        text[i : i + 2]
+        for i in range(len(text) // 2, len(text) - 1)
+        if text[i : i + 2].strip() and text.index(text[i : i + 2]) > 0
+    )
     m = anthropic_client.messages.create(
         model=MODEL, messages=MESSAGES, max_tokens=8, stop_sequences=[stop], extra_body=GREEDY
     )

@@ -11,7 +11,7 @@ import time
 
 import httpx
 
-MODEL = "deepinfer-demo-deepseek-v3-random"
+MODEL = "deepinfer-demo-deepseek-v4-random"
 GRACE = 30
 MAX_TOKENS = 200
 

@@ -54,7 +54,6 @@ class AscendKVLayout:
 
     def gather(self, cache: torch.Tensor, spec: CacheSpec, slots: torch.Tensor) -> torch.Tensor:
         pieces = [
-            view.view(-1, spec.num_heads, part)[slots]
-            for view, part in zip(self.parts(cache, spec), self._parts(spec))
+            view.view(-1, spec.num_heads, part)[slots] for view, part in zip(self.parts(cache, spec), self._parts(spec))
         ]
         return torch.cat(pieces, dim=-1)  # [N, Hkv, Dc], the canonical entry

@@ -56,9 +56,7 @@ class NvidiaOps:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         return routing.moe_route(router_logits, config, correction_bias)
 
-    def expert_ffn(
-        self, x: torch.Tensor, tokens_per_expert: torch.Tensor, w13: Weight, w2: Weight
-    ) -> torch.Tensor:
+    def expert_ffn(self, x: torch.Tensor, tokens_per_expert: torch.Tensor, w13: Weight, w2: Weight) -> torch.Tensor:
         return moe.expert_ffn(x, tokens_per_expert, w13, w2, fixed_tiles=self.batch_invariant)
 
 

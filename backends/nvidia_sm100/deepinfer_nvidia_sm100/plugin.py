@@ -12,11 +12,14 @@ import os
 
 import torch
 
-from deepinfer_core.backend import API_VERSION, BackendInfo, Capabilities, DeviceFacts, ProbeResult, hookimpl
+from deepinfer_core.backend import API_VERSION, V4_OPS, BackendInfo, Capabilities, DeviceFacts, ProbeResult, hookimpl
 from deepinfer_core.kv.layout import CacheKind
 
 DEEPINFER_API_VERSION = API_VERSION
 MIN_COMPUTE_CAPABILITY = (9, 0)  # SM90 (Hopper); SM100-only paths are gated separately
+
+
+_V4_NOT_YET = "no Triton kernel for it yet: DeepSeek-V4 runs on the cpu reference backend for now"
 
 
 @hookimpl
@@ -45,6 +48,7 @@ def deepinfer_backend_capabilities():
         unsupported=(
             ("sliding_window", "the V4 sliding-window ring cache is not implemented on this backend yet"),
             ("sequence_state", "per-sequence state caches are not implemented on this backend yet"),
+            *((op, _V4_NOT_YET) for op in V4_OPS),
         ),
     )
 

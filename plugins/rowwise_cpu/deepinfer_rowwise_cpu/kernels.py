@@ -8,6 +8,10 @@ products (torch.mv / a bmm of fixed shape per row); reductions run over one row.
 float32 and rounds to the input dtype where the reference does: once at the end, except silu_and_mul
 (silu(gate) is rounded before the product) and expert_ffn (rounded between its linear / silu_and_mul /
 linear steps). moe_route returns float32 weights, as the contract says.
+
+DeepSeek-V4's dense ops are here too: the swiglu limit of silu_and_mul / expert_ffn, sqrtsoftplus scoring
+and hash routing in moe_route, and the hyper-connection and compressor ops hc_pre, hc_post and
+softmax_pool (deepinfer_core.backend.ops.V4Ops), each one row at a time like the rest.
 """
 
 from __future__ import annotations
@@ -31,13 +35,38 @@ def _matvec(w: torch.Tensor, row: torch.Tensor, dtype: torch.dtype, bias: torch.
     return (y if bias is None else y + bias).to(dtype)
 
 
-def _silu_and_mul_row(row: torch.Tensor) -> torch.Tensor:
+def _silu_and_mul_row(row: torch.Tensor, limit: float | None = None) -> torch.Tensor:
     """row [2I] = [gate | up] -> silu(gate) * up [I] in row.dtype. Like the reference, silu(gate) is rounded to
-    row.dtype before the product (a no-op in float32); each step computes in float32."""
+    row.dtype before the product (a no-op in float32); each step computes in float32. With `limit` (V4's
+    swiglu limit) gate is first capped at +limit and up clipped to [-limit, limit], each rounded to
+    row.dtype as a clamp in that dtype would be (the limit itself may not be representable)."""
     r = fresh_row(row)
     gate, up = r[: r.shape[0] // 2], r[r.shape[0] // 2 :]
+    if limit is not None:
+        gate = torch.clamp(gate, max=limit).to(row.dtype).float()
+        up = torch.clamp(up, min=-limit, max=limit).to(row.dtype).float()
     silu = (gate * torch.sigmoid(gate)).to(row.dtype).float()
     return (silu * up).to(row.dtype)
+
+
+def _scores(logit: torch.Tensor, scoring: str) -> torch.Tensor:
+    """One token's router logits [E] float32 -> expert scores [E]: softmax, sigmoid or sqrt(softplus)."""
+    if scoring == "sigmoid":
+        return torch.sigmoid(logit)
+    if scoring == "sqrtsoftplus":  # softplus(x) = max(x, 0) + log(1 + e^-|x|), overflow-free
+        return torch.sqrt(torch.clamp(logit, min=0) + torch.log1p(torch.exp(-logit.abs())))
+    e = torch.exp(logit - logit.max())
+    return e / e.sum()
+
+
+def _sinkhorn(comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
+    """One token's comb [N, N] (rows j, columns k) -> divided by its column sums (+ eps), then iters - 1
+    times by its row sums, then its column sums (+ eps each time)."""
+    comb = comb / (comb.sum(dim=0, keepdim=True) + eps)
+    for _ in range(iters - 1):
+        comb = comb / (comb.sum(dim=1, keepdim=True) + eps)
+        comb = comb / (comb.sum(dim=0, keepdim=True) + eps)
+    return comb
 
 
 class RowwiseOps:
@@ -91,40 +120,47 @@ class RowwiseOps:
             out[t] = torch.bmm(w, r.unsqueeze(-1)).squeeze(-1)  # H matrix-vector products, fixed shape
         return out
 
-    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+    def silu_and_mul(self, x: torch.Tensor, *, limit: float | None = None) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])  # [T, 2I]
         inner = rows.shape[1] // 2
         out = torch.empty(rows.shape[0], inner, dtype=x.dtype, device=x.device)  # [T, I]
         for t in range(rows.shape[0]):
-            out[t] = _silu_and_mul_row(rows[t])
+            out[t] = _silu_and_mul_row(rows[t], limit)
         return out.view(*x.shape[:-1], inner)
 
     def moe_route(
-        self, router_logits: torch.Tensor, config: RoutingConfig, correction_bias: torch.Tensor | None = None
+        self,
+        router_logits: torch.Tensor,
+        config: RoutingConfig,
+        correction_bias: torch.Tensor | None = None,
+        *,
+        expert_ids: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         tokens, experts = router_logits.shape  # [T, E]
+        if config.method == "hash" and expert_ids is None:
+            raise ValueError(
+                "hash routing takes its experts from expert_ids [T, top_k] (the token id -> experts table)"
+            )
         weights = torch.empty(tokens, config.top_k, dtype=torch.float32, device=router_logits.device)  # [T, K]
         ids = torch.empty(tokens, config.top_k, dtype=torch.int64, device=router_logits.device)  # [T, K]
         bias = None if correction_bias is None else correction_bias.float()  # [E]
-        grouped = config.method != "greedy" and config.num_groups > 1
+        grouped = config.method not in ("greedy", "hash") and config.num_groups > 1
         for t in range(tokens):
-            logit = fresh_row(router_logits[t])  # [E]
-            if config.scoring == "sigmoid":
-                scores = torch.sigmoid(logit)
+            scores = _scores(fresh_row(router_logits[t]), config.scoring)  # [E]
+            if config.method == "hash":
+                top = expert_ids[t].to(device=scores.device, dtype=torch.int64)  # [K]: given, only weighed here
             else:
-                e = torch.exp(logit - logit.max())
-                scores = e / e.sum()
-            choice = scores if bias is None else scores + bias  # ranks experts; weights use raw scores
-            if grouped:
-                groups = choice.view(config.num_groups, -1)  # [G, E/G]
-                if config.method == "noaux_tc":
-                    group_score = groups.topk(2, dim=-1).values.sum(dim=-1)  # [G]: sum of the two best
-                else:
-                    group_score = groups.amax(dim=-1)  # [G]: best expert of each group
-                dropped = torch.ones(config.num_groups, dtype=torch.bool, device=logit.device)
-                dropped[group_score.topk(config.topk_groups).indices] = False
-                choice = groups.masked_fill(dropped[:, None], float("-inf")).reshape(experts)
-            top = choice.topk(config.top_k).indices  # [K]
+                choice = scores if bias is None else scores + bias  # ranks experts; weights use raw scores
+                if grouped:
+                    groups = choice.view(config.num_groups, -1)  # [G, E/G]
+                    if config.method == "noaux_tc":
+                        group_score = groups.topk(2, dim=-1).values.sum(dim=-1)  # [G]: sum of the two best
+                    else:
+                        group_score = groups.amax(dim=-1)  # [G]: best expert of each group
+                    dropped = torch.ones(config.num_groups, dtype=torch.bool, device=scores.device)
+                    dropped[group_score.topk(config.topk_groups).indices] = False
+                    choice = groups.masked_fill(dropped[:, None], float("-inf")).reshape(experts)
+                top = choice.topk(config.top_k).indices  # [K]
             w = scores[top]
             if config.normalize:
                 w = w / (w.sum() + 1e-20)
@@ -133,9 +169,15 @@ class RowwiseOps:
         return weights, ids
 
     def expert_ffn(
-        self, x: torch.Tensor, tokens_per_expert: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor
+        self,
+        x: torch.Tensor,
+        tokens_per_expert: torch.Tensor,
+        w13: torch.Tensor,
+        w2: torch.Tensor,
+        *,
+        swiglu_limit: float | None = None,
     ) -> torch.Tensor:
-        # Row t of expert e is exactly linear(silu_and_mul(linear(x_t, w13[e])), w2[e]) of this table: the
+        # Row t of expert e is exactly linear(silu_and_mul(linear(x_t, w13[e]), limit), w2[e]) of this table: the
         # [2I] and [I] intermediates are rounded to x.dtype between the steps, as separate ops would.
         out = torch.empty_like(x)  # [N, D]
         start = 0
@@ -144,7 +186,68 @@ class RowwiseOps:
                 w_in = w13[expert].float().contiguous()  # [2I, D]
                 w_out = w2[expert].float().contiguous()  # [D, I]
                 for t in range(start, start + count):
-                    hidden = _silu_and_mul_row(_matvec(w_in, x[t], x.dtype))  # [I]
+                    hidden = _silu_and_mul_row(_matvec(w_in, x[t], x.dtype), swiglu_limit)  # [I]
                     out[t] = _matvec(w_out, hidden, x.dtype)  # [D]
             start += count
+        return out
+
+    # ------------------------------------------------------------------ DeepSeek-V4 (V4Ops)
+
+    def hc_pre(
+        self,
+        streams: torch.Tensor,
+        fn: torch.Tensor,
+        scale: torch.Tensor,
+        base: torch.Tensor,
+        *,
+        sinkhorn_iters: int,
+        eps: float,
+        norm_eps: float,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        tokens, n, dim = streams.shape  # [T, N, D]
+        mixer = fn.float().contiguous()  # [(2 + N) N, N D] or [N, N D]
+        s, b = scale.float(), base.float()  # [3] or [1], [(2 + N) N] or [N]
+        full = mixer.shape[0] != n  # pre | post | comb, or (the head) pre alone
+        collapsed = torch.empty(tokens, dim, dtype=streams.dtype, device=streams.device)  # [T, D]
+        post = torch.empty(tokens, n, device=streams.device) if full else None  # [T, N] float32
+        comb = torch.empty(tokens, n, n, device=streams.device) if full else None  # [T, N, N] float32
+        for t in range(tokens):
+            r = fresh_row(streams[t]).view(n * dim)  # [N D]: the N streams side by side
+            inv = torch.rsqrt(torch.dot(r, r) / r.numel() + norm_eps)  # 0-d: rms without weight
+            mixes = torch.mv(mixer, r * inv)  # [(2 + N) N] or [N]
+            pre = torch.sigmoid(mixes[:n] * s[0] + b[:n]) + eps  # [N]
+            collapsed[t] = torch.mv(r.view(n, dim).t(), pre).to(streams.dtype)  # sum_n pre_n streams_n: [D]
+            if full:
+                post[t] = 2 * torch.sigmoid(mixes[n : 2 * n] * s[1] + b[n : 2 * n])
+                logits = (mixes[2 * n :] * s[2] + b[2 * n :]).view(n, n)  # [N, N], softmax over the last dim
+                e = torch.exp(logits - logits.amax(dim=1, keepdim=True))
+                comb[t] = _sinkhorn(e / e.sum(dim=1, keepdim=True) + eps, sinkhorn_iters, eps)
+        return collapsed, post, comb
+
+    def hc_post(
+        self, block_out: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, comb: torch.Tensor
+    ) -> torch.Tensor:
+        # out_k = post_k * block_out + sum_j comb[j, k] streams_j. As in the reference, post and comb are
+        # rounded to streams.dtype first, and the two terms each once before their sum (no-ops in float32).
+        dtype = streams.dtype
+        out = torch.empty_like(streams)  # [T, N, D]
+        for t in range(streams.shape[0]):
+            mix = fresh_row(comb[t].to(dtype))  # [N, N]: comb[j, k]
+            mixed = torch.mm(mix.t(), fresh_row(streams[t])).to(dtype)  # [N, D]: sum_j comb[j, k] streams_j
+            gain = fresh_row(post[t].to(dtype))  # [N]
+            scaled = (gain[:, None] * fresh_row(block_out[t])[None, :]).to(dtype)  # [N, D]
+            out[t] = (scaled.float() + mixed.float()).to(dtype)
+        return out
+
+    def softmax_pool(self, values: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        # Per row i and channel d: sum_s softmax_s(logits[i, :, d]) * values[i, s, d]. As in the reference,
+        # the weights and each weighted value are rounded to values.dtype, the sum accumulated in float32.
+        dtype = values.dtype
+        out = torch.empty(values.shape[0], values.shape[2], dtype=dtype, device=values.device)  # [N, D]
+        for i in range(values.shape[0]):
+            lg = fresh_row(logits[i])  # [S, D]
+            e = torch.exp(lg - lg.amax(dim=0, keepdim=True))  # -inf logits: weight 0
+            weights = (e / e.sum(dim=0, keepdim=True)).to(dtype)  # [S, D]
+            weighted = (weights.float() * fresh_row(values[i])).to(dtype)  # [S, D]
+            out[i] = weighted.float().sum(dim=0).to(dtype)
         return out

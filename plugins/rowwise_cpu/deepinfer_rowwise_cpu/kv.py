@@ -2,6 +2,7 @@
 imports only torch and deepinfer_core.kv.layout.
 
 PAGED:          [num_blocks, num_heads, block_size, head_dim]  slot = block * block_size + offset
+  compressed:   [num_blocks, num_heads, block_size / m, head_dim] (compress_rate m) slot = block * (block_size / m) + w
 SLIDING_WINDOW: [seqs, num_heads, ring_size, head_dim]         slot = seq * ring_size + position % ring_size
 SEQUENCE_STATE: [seqs, *state_shape]                           slot = seq
 `gather` translates back to the canonical [N, *entry_shape] view.
@@ -55,5 +56,11 @@ class HeadMajorKVLayout:
         return cache[units, :, offsets]  # [N, H, D]
 
     def block(self, cache: torch.Tensor, block_id: int, num_tokens: int) -> torch.Tensor:
-        """The first `num_tokens` entries of paged block `block_id`, head-major: a view [H, num_tokens, D]."""
+        """The first `num_tokens` entries of paged block `block_id`, head-major: a view [H, num_tokens, D]. In a
+        compressed cache (compress_rate m) a block holds block_size / m entries: w % (block_size / m) is here."""
         return cache[block_id, :, :num_tokens]
+
+    def ring(self, cache: torch.Tensor, seq_slot: int) -> torch.Tensor:
+        """Sequence slot `seq_slot`'s sliding-window ring, head-major: a view [H, ring_size, D] holding
+        position p at [:, p % ring_size]."""
+        return cache[seq_slot]

@@ -2,7 +2,8 @@
 contract of deepinfer_core.backend and this package.
 
 An example of a third-party backend written from scratch: its own op kernels, KV layout, attention and
-sampler, all processing one token row at a time so that results never depend on the batch.
+sampler, all processing one token row at a time so that results never depend on the batch. It implements
+every op of the contract, DeepSeek-V4's (V4_OPS) included, so it can run V3 and V4 models.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ def deepinfer_backend_capabilities():
         batch_invariant=True,
         deterministic_sampling=True,
         communicators=("in_process", "torch_distributed:gloo"),
+        # every op of OP_NAMES is supported, V4_OPS included (RowwiseOps / OnlineSoftmaxAttention)
         unsupported=(("graph_capture", "rowwise_cpu runs eagerly, one Python loop iteration per token row"),),
     )
 
