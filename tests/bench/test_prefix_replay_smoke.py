@@ -1,0 +1,47 @@
+"""Smoke test of bench/prefix_replay.py on a tiny DeepSeek-V4: it runs and writes a complete report, and
+the replayed prefill computes fewer tokens than the full one and gives the same first token.
+
+No timing is asserted (DESIGN.md §7).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "prefix_replay.py"
+TINY = {
+    "vocab_size": 512,
+    "hidden_size": 64,
+    "num_hidden_layers": 3,
+    "layer_types": ["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"],
+    "mlp_layer_types": ["hash_moe", "moe", "moe"],
+    "compress_rates": {"compressed_sparse_attention": 4, "heavily_compressed_attention": 16},
+    "sliding_window": 16,
+    "head_dim": 32,
+    "q_lora_rank": 32,
+    "hc_mult": 2,
+    "index_topk": 16,
+}
+
+
+def test_prefix_replay_writes_a_complete_report(tmp_path):
+    out = tmp_path / "report.json"
+    args = ["--out", str(out), "--prompt-len", "320", "--suffix-len", "24", "--repeats", "1"]
+    run = subprocess.run(
+        [sys.executable, str(SCRIPT), *args, "--config", json.dumps(TINY)], capture_output=True, text=True, timeout=600
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert {"machine", "versions", "config", "workload", "results", "replay_tokens", "v4_flash_estimate"} <= set(report)
+    systems = {r["system"]: r for r in report["results"]}
+    assert set(systems) == {"full_recompute", "bounded_replay", "floor_no_replay"}
+    assert report["replay_tokens"] == 3 * 15
+    assert systems["full_recompute"]["prefill_tokens_computed"] == [320]
+    hit = systems["bounded_replay"]["cached_tokens"][0]
+    assert hit == 256  # the 296 shared tokens hold 4 full 64-token blocks
+    assert systems["bounded_replay"]["prefill_tokens_computed"] == [320 - hit + 45]
+    assert systems["floor_no_replay"]["prefill_tokens_computed"] == [320 - hit]
+    assert report["first_token_agrees_full_vs_replay"] == [True]
