@@ -47,7 +47,15 @@ class Observer(Protocol):
 
 
 class ModelRegistry:
-    """Maps a checkpoint's `architectures` entry (e.g. "DeepseekV3ForCausalLM") to a model factory."""
+    """Maps a checkpoint's `architectures` entry (e.g. "DeepseekV3ForCausalLM") to a model factory.
+
+    A factory `(path, raw_config, backend, progress) -> model` returns what the engine runs: an object
+    with `config` (vocab_size, max_position_embeddings, eos_token_ids), `cache_specs` (per layer, a dict
+    name -> kv.layout.CacheSpec), `forward(token_ids, positions, meta, caches) -> hidden [T, D]` (caches:
+    per layer, name -> tensor) and `logits(hidden) -> [N, V] float32`; optionally `graph_capture` (its
+    decode steps may replay device graphs; default False) and `replay_tokens` (tokens recomputed before a
+    prefix-cache hit to rebuild per-sequence caches; default 0).
+    """
 
     def __init__(self) -> None:
         self._factories: dict[str, Callable[..., Any]] = {}

@@ -299,13 +299,16 @@ class V4Ops(Protocol):
     def hc_post(
         self, block_out: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, comb: torch.Tensor
     ) -> torch.Tensor:
-        """New streams [T, N, D]: out_k = post_k * block_out [T, D] + sum_j comb[j, k] * streams_j."""
+        """New streams [T, N, D]: out_k = post_k * block_out [T, D] + sum_j comb[j, k] * streams_j.
+
+        Rounded like transformers: post and comb to streams.dtype first, then each term, then the sum."""
         ...
 
     def softmax_pool(self, values: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
         """values, logits [N, S, D] -> [N, D] = sum over S of softmax_S(logits) * values, per channel,
         the softmax in float32 (V4's compressors pool each window's tokens like this). -inf logits
-        take no part; returns values.dtype."""
+        take no part (a channel must have one finite logit); the weights are rounded to values.dtype
+        before the weighted sum, which is in values.dtype."""
         ...
 
 
@@ -331,8 +334,8 @@ class V4AttentionOps(Protocol):
 
         q [T, H, D]; kv [T, D] this step's entries (normalised, roped); ring: the SLIDING_WINDOW cache
         (entries [1, D]) holding earlier positions of each sequence at `meta.seq_slots` (this step's are
-        not in it yet). Query at position t sees window entries at positions t - window < s <= t that
-        are >= `meta.window_starts[b]`, and, when `compressed` (PAGED, `compressed_spec.compress_rate` m,
+        not in it yet). Query at position t sees window entries at positions t - window < s <= t (ring
+        entries only from `meta.window_starts[b]` on: older ring slots are stale), and, when `compressed` (PAGED, `compressed_spec.compress_rate` m,
         entries [1, D]) is given, compressed entry w of its sequence iff w < (t + 1) // m — all of them
         (`indices` None) or only those listed in `indices` [T, K] (entry numbers, -1 = none).
         logits = q.k * scale; a per-head sink logit `sinks` [H] joins the softmax and is dropped after

@@ -53,7 +53,7 @@ class ModelRunner:
         self.model, self.backend, self.sampler = model, backend, backend.sampler
         self.device = backend.torch_device
         self.block_size = backend.kv_layout.block_size
-        use_graphs = backend.graphs is not None and graph_batch_size > 0 and model.graph_capture
+        use_graphs = backend.graphs is not None and graph_batch_size > 0 and getattr(model, "graph_capture", False)
         units = num_blocks + 1 if use_graphs else num_blocks  # block `num_blocks`: the padding rows' scratch
         self.caches = allocate_caches(backend.kv_layout, model.cache_specs, units, num_seq_slots)
         self.logits_processors = list(logits_processors)

@@ -101,7 +101,8 @@ class ReferenceAttention:
                     chosen = torch.zeros_like(visible)
                     picks = indices[q_start:q_end]  # [Q, K]
                     rows = torch.arange(q_end - q_start, device=q.device)[:, None].expand_as(picks)
-                    chosen[rows[picks >= 0], picks[picks >= 0]] = True
+                    listed = (picks >= 0) & (picks < entries.shape[0])  # -1 and entries past the end: none
+                    chosen[rows[listed], picks[listed]] = True
                     visible &= chosen
                 keys = torch.cat([keys, entries])
                 mask = torch.cat([mask, torch.where(visible, 0.0, float("-inf"))], dim=1)

@@ -32,6 +32,15 @@ DTYPES = [torch.float32, torch.bfloat16]
 BLOCK = 16
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    """Tiny tensors: one intra-op thread is faster, and steady when other jobs share the cores."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="session")
 def rw(install_distributions):
     """The rowwise_cpu backend as the engine builds it (float32, block size 16), through its hooks."""
@@ -323,10 +332,17 @@ def test_v4_checkpoint_generates_the_reference_tokens(rw, tmp_path_factory, vari
     greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     tokens = {}
     for accelerator in ("cpu", "rowwise_cpu"):
-        llm = LLM(model=path, accelerator=accelerator, dtype="float32", block_size=16, progress=False)
+        llm = LLM(model=path, accelerator=accelerator, dtype="float32", block_size=16, num_kv_blocks=32, progress=False)
         tokens[accelerator] = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)]
     assert tokens["rowwise_cpu"] == tokens["cpu"]
     assert llm.backend.info.name == "rowwise_cpu"
     # chunked prefill (16-token steps, the ring carrying the window across chunks) gives the same tokens
-    chunked = LLM(model=path, accelerator="rowwise_cpu", block_size=16, max_num_batched_tokens=16, progress=False)
+    chunked = LLM(
+        model=path,
+        accelerator="rowwise_cpu",
+        block_size=16,
+        num_kv_blocks=32,
+        max_num_batched_tokens=16,
+        progress=False,
+    )
     assert [o.outputs[0].token_ids for o in chunked.generate(prompts, greedy)] == tokens["cpu"]

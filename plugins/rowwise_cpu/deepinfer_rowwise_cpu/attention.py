@@ -56,6 +56,8 @@ class _OnlineSoftmax:
 
 
 class OnlineSoftmaxAttention:
+    """Implements AttentionOps and V4AttentionOps over HeadMajorKVLayout, one query row at a time."""
+
     def __init__(self, layout: HeadMajorKVLayout) -> None:
         if not isinstance(layout, HeadMajorKVLayout):
             raise TypeError(f"rowwise_cpu attention reads its own HeadMajorKVLayout, not {type(layout).__name__}")

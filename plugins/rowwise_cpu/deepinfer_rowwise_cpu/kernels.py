@@ -70,7 +70,7 @@ def _sinkhorn(comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
 
 
 class RowwiseOps:
-    """Implements Ops. Every loop below is over token rows; nothing is batched across rows."""
+    """Implements Ops and V4Ops. Every loop below is over token rows; nothing is batched across rows."""
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])  # [T, D]
