@@ -335,9 +335,10 @@ class V4AttentionOps(Protocol):
         q [T, H, D]; kv [T, D] this step's entries (normalised, roped); ring: the SLIDING_WINDOW cache
         (entries [1, D]) holding earlier positions of each sequence at `meta.seq_slots` (this step's are
         not in it yet). Query at position t sees window entries at positions t - window < s <= t (ring
-        entries only from `meta.window_starts[b]` on: older ring slots are stale), and, when `compressed` (PAGED, `compressed_spec.compress_rate` m,
-        entries [1, D]) is given, compressed entry w of its sequence iff w < (t + 1) // m — all of them
-        (`indices` None) or only those listed in `indices` [T, K] (entry numbers, -1 = none).
+        entries only from `meta.window_starts[b]` on: older ring slots are stale), and, when `compressed`
+        (PAGED, `compressed_spec.compress_rate` m, entries [1, D]) is given, compressed entry w of its
+        sequence iff w < (t + 1) // m — all of them (`indices` None) or only those also listed in `indices`
+        [T, K] (entry numbers; -1 = none; a listed entry the query cannot see yet is not attended).
         logits = q.k * scale; a per-head sink logit `sinks` [H] joins the softmax and is dropped after
         it. Returns [T, H, D] in q.dtype, accumulated in float32.
         """

@@ -36,7 +36,10 @@ def _cmd_conformance(args: argparse.Namespace) -> int:
     ]
     if args.k:
         argv += ["-k", args.k]
-    return int(pytest.main(argv + list(args.pytest_args)))
+    extra = list(args.pytest_args)
+    if extra[:1] == ["--"]:  # argparse keeps the separator in a REMAINDER list
+        extra = extra[1:]
+    return int(pytest.main(argv + extra))
 
 
 def add_parser(commands) -> None:

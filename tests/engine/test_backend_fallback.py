@@ -49,4 +49,3 @@ def test_a_named_backend_is_not_swapped(monkeypatch):
     discovery = Discovery([Entry("gpu"), Entry("cpu")])
     with pytest.raises(UnsupportedModelError, match="backend gpu cannot run"):
         _load_on_first_able(discovery, None, lambda entry: entry.name, _load)
-

@@ -1,5 +1,9 @@
 """The backend's KV layout: whatever its physical layout, `gather` must give back exactly the canonical entries
-written at each slot id, for every cache kind it declares, and the same canonical cache as the reference."""
+written at each slot id, for every cache kind it declares, and the same canonical cache as the reference.
+
+PAGED caches come plain (one entry per token) and compressed (DeepSeek-V4's `compress_rate` 4 and 8: a block
+of block_size tokens holds block_size / rate entries, slot ids from `compressed_slots`); the compressed
+variants skip with the backend's reason where it has neither V4 op that reads such caches."""
 
 from __future__ import annotations
 
@@ -8,16 +12,21 @@ import math
 import pytest
 import torch
 
-from deepinfer_core.kv.layout import CacheKind, CacheSpec, paged_slots, ring_slots
+from deepinfer_core.kv.layout import CacheKind, CacheSpec, compressed_slots, ring_slots
 
 DTYPES = [torch.float32, torch.bfloat16]
-KINDS = list(CacheKind)
+# (kind, compress_rate) by case id; the plain kinds keep their ids
+VARIANTS = {kind.value: (kind, 1) for kind in CacheKind} | {
+    f"paged_c{rate}": (CacheKind.PAGED, rate) for rate in (4, 8)
+}
 
 # Units test_round_trip allocates per kind: blocks (PAGED) or sequence slots (SLIDING_WINDOW, SEQUENCE_STATE).
 UNITS = {CacheKind.PAGED: 9, CacheKind.SLIDING_WINDOW: 5, CacheKind.SEQUENCE_STATE: 7}
 
 
-def make_spec(kind: CacheKind, dtype: torch.dtype) -> CacheSpec:
+def make_spec(kind: CacheKind, dtype: torch.dtype, rate: int = 1) -> CacheSpec:
+    if kind is CacheKind.PAGED and rate > 1:  # V4's compressed entries: one head
+        return CacheSpec(kind, dtype, num_heads=1, head_dim=80, compress_rate=rate)
     if kind is CacheKind.PAGED:  # two heads of an MLA-sized entry (64 + 16)
         return CacheSpec(kind, dtype, num_heads=2, head_dim=80)
     if kind is CacheKind.SLIDING_WINDOW:  # production V4.1 Flash ring: window 128 + 6 rollback slots
@@ -30,24 +39,31 @@ def randn(*shape, seed: int, dtype=torch.float32) -> torch.Tensor:
 
 
 def num_slots(layout, spec: CacheSpec, units: int) -> int:
-    if spec.kind is CacheKind.PAGED:
-        return units * layout.block_size
+    if spec.kind is CacheKind.PAGED:  # block_size / rate entries per block
+        return units * spec.entries_per_block(layout.block_size)
     if spec.kind is CacheKind.SLIDING_WINDOW:
         return units * spec.ring_size
     return units
 
 
-def kv_dtype_backend(suite, dtype: torch.dtype, kind: CacheKind):
+def kv_dtype_backend(suite, dtype: torch.dtype, kind: CacheKind, rate: int = 1):
     """(backend under test, reference) for a cache of `kind` stored in `dtype`, or skip with the reason."""
     if kind not in suite.capabilities.cache_kinds:
         pytest.skip(f"{suite.under_test.name} does not declare cache kind {kind.value}")
+    if rate > 1:  # only V4's sparse_attention / indexer_topk read compressed caches
+        reasons = [suite.capabilities.supports(op) for op in ("sparse_attention", "indexer_topk")]
+        if True not in reasons:
+            pytest.skip(f"{suite.under_test.name} does not support compressed PAGED caches: {reasons[0]}")
     name = str(dtype).removeprefix("torch.")
     if suite.capabilities.kv_dtypes and name not in suite.capabilities.kv_dtypes:
         pytest.skip(
             f"{suite.under_test.name} does not store KV in {name} "
             f"(it declares {', '.join(suite.capabilities.kv_dtypes)})"
         )
-    return suite.pair(dtype)
+    ours, ref = suite.pair(dtype)
+    if ours.kv_layout.block_size % rate:
+        pytest.skip(f"{suite.under_test.name}'s block size {ours.kv_layout.block_size} is not a multiple of {rate}")
+    return ours, ref
 
 
 class Cache:
@@ -66,10 +82,11 @@ class Cache:
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("kind", KINDS, ids=lambda k: k.value)
-def test_round_trip(suite, check, kind, dtype):
-    ours, _ = kv_dtype_backend(suite, dtype, kind)
-    spec = make_spec(kind, dtype)
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_round_trip(suite, check, variant, dtype):
+    kind, rate = VARIANTS[variant]
+    ours, _ = kv_dtype_backend(suite, dtype, kind, rate)
+    spec = make_spec(kind, dtype, rate)
     cache = Cache(ours, spec, UNITS[kind])
     assert cache.tensor.device.type == ours.torch_device.type, f"cache on {cache.tensor.device}"
     everything = torch.arange(cache.size)
@@ -102,7 +119,9 @@ def test_round_trip(suite, check, kind, dtype):
 
 # PAGED writes of test_matches_reference: three sequences' prefills then two decode steps each. The logical
 # positions are the same for every block size; 127 + 2 decodes crosses the 128 boundary (a block boundary
-# for every block size dividing 128), 261 spans several blocks and ends mid-block.
+# for every block size dividing 128), 261 spans several blocks and ends mid-block. A compressed cache gets
+# the entries those tokens complete (entry w once token w * rate + rate - 1 is written): 127 + 1 completes
+# the last entry of a block at rate 4 and 8, 7 tokens none at rate 8 until its first decode.
 PAGED_LENGTHS = [261, 127, 7]
 DECODE_STEPS = 2
 
@@ -111,22 +130,22 @@ def write_calls(kind: CacheKind, spec: CacheSpec, layout, seed: int):
     """(units to allocate, slot ids of a realistic series of write calls, slots to read back afterwards in
     canonical order), in `layout`'s own slot numbering; the same logical entries for any block size."""
     if kind is CacheKind.PAGED:
-        block_size = layout.block_size
+        block_size, rate = layout.block_size, spec.compress_rate
         needed = [math.ceil((n + DECODE_STEPS) / block_size) for n in PAGED_LENGTHS]
         units = sum(needed) + 3  # spare blocks, so the shuffled tables are not contiguous
         order = torch.randperm(units, generator=torch.Generator().manual_seed(seed))
         ends = torch.tensor(needed).cumsum(0).tolist()
         tables = [order[end - count : end] for count, end in zip(needed, ends)]
-        calls = [paged_slots(tables[b], torch.arange(n), block_size) for b, n in enumerate(PAGED_LENGTHS)]
-        calls += [
-            paged_slots(tables[b], torch.tensor([n + step]), block_size)
-            for step in range(DECODE_STEPS)
-            for b, n in enumerate(PAGED_LENGTHS)
-        ]
-        read = torch.cat(
-            [paged_slots(tables[b], torch.arange(n + DECODE_STEPS), block_size) for b, n in enumerate(PAGED_LENGTHS)]
-        )
-        return units, calls, read
+
+        def slots(b: int, start: int, end: int) -> torch.Tensor:
+            """Slot ids of what tokens start..end-1 of sequence b write: one entry per token (rate 1, where
+            compressed_slots is paged_slots), or the compressed entries they complete."""
+            return compressed_slots(tables[b], torch.arange(start // rate, end // rate), block_size, rate)
+
+        calls = [slots(b, 0, n) for b, n in enumerate(PAGED_LENGTHS)]
+        calls += [slots(b, n + step, n + step + 1) for step in range(DECODE_STEPS) for b, n in enumerate(PAGED_LENGTHS)]
+        read = torch.cat([slots(b, 0, n + DECODE_STEPS) for b, n in enumerate(PAGED_LENGTHS)])
+        return units, [c for c in calls if len(c)], read  # a step that completes no entry writes nothing
     if kind is CacheKind.SLIDING_WINDOW:
         # each sequence slot has a ring of window + rollback slots; positions a ring_size apart share a slot,
         # so the third and fifth calls overwrite what the second and first wrote
@@ -145,13 +164,15 @@ def write_calls(kind: CacheKind, spec: CacheSpec, layout, seed: int):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("kind", KINDS, ids=lambda k: k.value)
-def test_matches_reference(suite, check, kind, dtype):
-    ours, ref = kv_dtype_backend(suite, dtype, kind)
-    spec = make_spec(kind, dtype)
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_matches_reference(suite, check, variant, dtype):
+    kind, rate = VARIANTS[variant]
+    ours, ref = kv_dtype_backend(suite, dtype, kind, rate)
+    spec = make_spec(kind, dtype, rate)
     candidates = [ours]
-    if kind is CacheKind.PAGED:  # also at the backend's smallest block size: many blocks, other slot ids
-        candidates.append(suite.resolved(suite.under_test, dtype, min(suite.capabilities.block_sizes)))
+    smallest = min(suite.capabilities.block_sizes)
+    if kind is CacheKind.PAGED and smallest % rate == 0:  # also at the smallest block size: other slot ids
+        candidates.append(suite.resolved(suite.under_test, dtype, smallest))
 
     def canonical(backend) -> torch.Tensor:
         units, calls, read = write_calls(kind, spec, backend.kv_layout, seed=5)
@@ -165,7 +186,7 @@ def test_matches_reference(suite, check, kind, dtype):
         check.equal(
             canonical(backend),
             expected,
-            what=f"canonical {kind.value} cache (block size "
+            what=f"canonical {variant} cache (block size "
             f"{backend.kv_layout.block_size}) vs the reference's (block size {ref.kv_layout.block_size})",
         )
 
