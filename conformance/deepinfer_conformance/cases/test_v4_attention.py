@@ -140,15 +140,20 @@ class Step:
 
 def csa_indices(seqs, rate: int, seed: int) -> torch.Tensor:
     """What an indexer could pick [T, TOP_K]: distinct visible entries (w < (t + 1) // rate) of each query in
-    a random order, about a quarter of them replaced by -1, and -1 where fewer are visible."""
+    a random order, about a quarter of them replaced by -1, and -1 where fewer are visible — except that a
+    query whose sequence already has entries it cannot see yet lists one of those too (the contract: a
+    listed entry is attended only if visible; a kernel that trusts the list blindly reads it)."""
     generator = torch.Generator().manual_seed(seed)
     rows = []
-    for t in query_positions(seqs).tolist():
-        visible = (t + 1) // rate
-        picks = torch.randperm(visible, generator=generator)[:TOP_K]
-        picks = torch.where(torch.rand(len(picks), generator=generator) < 0.25, -1, picks)
-        row = torch.cat([picks, torch.full((TOP_K - len(picks),), -1, dtype=torch.int64)])
-        rows.append(row[torch.randperm(TOP_K, generator=generator)])
+    for seq_len, q_len, _ in seqs:
+        for t in range(seq_len - q_len, seq_len):
+            visible, total = (t + 1) // rate, seq_len // rate
+            picks = torch.randperm(visible, generator=generator)[:TOP_K]
+            picks = torch.where(torch.rand(len(picks), generator=generator) < 0.25, -1, picks)
+            row = torch.cat([picks, torch.full((TOP_K - len(picks),), -1, dtype=torch.int64)])
+            if total > visible:
+                row[-1] = visible + int(torch.randint(total - visible, (1,), generator=generator))
+            rows.append(row[torch.randperm(TOP_K, generator=generator)])
     return torch.stack(rows) if rows else torch.empty(0, TOP_K, dtype=torch.int64)
 
 
