@@ -103,6 +103,9 @@ def test_prefix_hit_replays_a_bounded_window_and_matches_a_plain_run(hf_v4_check
     assert computed == len(request.prompt_token_ids) + 10 - 1 - request.window_start  # 68 prompt tokens saved
     plain = _llm(ckpt, enable_prefix_caching=False).generate([_prefix_pair()[1]], GREEDY)[0]
     _assert_same(output.outputs[0], plain.outputs[0])
+    got = output.outputs[0]  # and transformers agrees
+    hf = _hf_logprobs(ckpt.hf_model, _prefix_pair()[1], got.token_ids)
+    torch.testing.assert_close(torch.tensor(got.logprobs), hf.gather(1, torch.tensor(got.token_ids)[:, None])[:, 0])
 
 
 @pytest.mark.parametrize("short_by", [None, 7])
