@@ -83,11 +83,6 @@ class LLM:
         if dtype not in _DTYPES:
             raise DeepInferError(f"dtype {dtype!r} is not one of {', '.join(_DTYPES)}")
         discovery = discover()
-        if model is None:
-            log.warning(
-                "no --model given: serving the embedded demo model (DeepSeek-V4 architecture with "
-                "deterministic RANDOM weights; its output is meaningless)"
-            )
         registry = model_registry(discovery.plugin_manager)
 
         def load(on: ResolvedBackend):
@@ -103,6 +98,10 @@ class LLM:
             )
             self.backend, self.model = _load_on_first_able(discovery, accelerator, resolve, load)
         if model is None:
+            log.warning(
+                "no --model given: serving the embedded demo model (DeepSeek-V4 architecture with "
+                "deterministic RANDOM weights; its output is meaningless)"
+            )
             self.model_name = DEMO_NAME
             self.tokenizer_dir: Path | None = demo_tokenizer_dir()
         else:
