@@ -2,6 +2,14 @@
 dense GEMMs in the default mode, the fixed-tiling Triton GEMM in batch-invariant mode and for FP8 weights
 (ops.BlockFP8: each float8 tile is dequantized in registers with its block's scale, never in memory).
 
+DeepSeek-V4's op features on those fast paths are Triton too: the swiglu limit (`silu_and_mul(limit=)`,
+`expert_ffn(swiglu_limit=)`, fused into the same kernels) and sqrtsoftplus / hash routing (the routing
+kernel); hc_pre (after torch's rms and mixing GEMM: the weights, Sinkhorn and the collapse in one kernel),
+hc_post and softmax_pool are kernels (kernels.hyper). V4's attention ops, sparse_attention and
+indexer_topk, are for now the reference backend's PyTorch code run on the GPU tensors: a correctness-first
+path, not kernels (a loop over the sequences with host reads of the metadata, results that may depend on
+the batch).
+
 Imported only after the backend is selected (it imports triton).
 """
 
@@ -10,8 +18,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from deepinfer_core.backend.ops import BlockFP8, RoutingConfig
-from deepinfer_nvidia_sm100.kernels import attention, elementwise, gemm, moe, routing
+from deepinfer_core.backend.ops import AttentionMetadata, BlockFP8, RoutingConfig
+from deepinfer_core.kv.layout import CacheSpec, KVLayout
+from deepinfer_core.reference.attention import ReferenceAttention
+from deepinfer_nvidia_sm100.kernels import attention, elementwise, gemm, hyper, moe, routing
 
 __all__ = ["NvidiaAttention", "NvidiaOps"]
 
@@ -19,11 +29,13 @@ Weight = torch.Tensor | BlockFP8  # a dense weight, or DeepSeek's FP8 format
 
 
 class NvidiaOps:
-    """Implements deepinfer_core.backend.ops.Ops on one GPU.
+    """Implements deepinfer_core.backend.ops.Ops and V4Ops on one GPU.
 
     batch_invariant: every op's result for a row must not depend on the other rows of the call. The
     row-local kernels and the grouped expert GEMM are so always; `linear` and `head_linear` then use
     the fixed-tiling Triton GEMM instead of cuBLAS, whose algorithm changes with the number of rows.
+    V4's hc_pre normalises with torch ops, whose reductions are not promised to be batch-invariant (the
+    capabilities say so, with V4's attention: "v4_batch_invariance").
     """
 
     def __init__(self, batch_invariant: bool = False) -> None:
@@ -48,25 +60,111 @@ class NvidiaOps:
             return gemm.batched_matmul(x.transpose(0, 1), weight).transpose(0, 1)
         return torch.bmm(x.transpose(0, 1), weight.transpose(1, 2)).transpose(0, 1)
 
-    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
-        return elementwise.silu_and_mul(x)
+    def silu_and_mul(self, x: torch.Tensor, *, limit: float | None = None) -> torch.Tensor:
+        return elementwise.silu_and_mul(x, limit)
 
     def moe_route(
-        self, router_logits: torch.Tensor, config: RoutingConfig, correction_bias: torch.Tensor | None = None
+        self,
+        router_logits: torch.Tensor,
+        config: RoutingConfig,
+        correction_bias: torch.Tensor | None = None,
+        *,
+        expert_ids: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        return routing.moe_route(router_logits, config, correction_bias)
+        return routing.moe_route(router_logits, config, correction_bias, expert_ids)
 
-    def expert_ffn(self, x: torch.Tensor, tokens_per_expert: torch.Tensor, w13: Weight, w2: Weight) -> torch.Tensor:
-        return moe.expert_ffn(x, tokens_per_expert, w13, w2, fixed_tiles=self.batch_invariant)
+    def expert_ffn(
+        self,
+        x: torch.Tensor,
+        tokens_per_expert: torch.Tensor,
+        w13: Weight,
+        w2: Weight,
+        *,
+        swiglu_limit: float | None = None,
+    ) -> torch.Tensor:
+        return moe.expert_ffn(
+            x, tokens_per_expert, w13, w2, fixed_tiles=self.batch_invariant, swiglu_limit=swiglu_limit
+        )
+
+    # DeepSeek-V4's hyper-connections and the compressors' pooling
+
+    def hc_pre(
+        self,
+        streams: torch.Tensor,
+        fn: torch.Tensor,
+        scale: torch.Tensor,
+        base: torch.Tensor,
+        *,
+        sinkhorn_iters: int,
+        eps: float,
+        norm_eps: float,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """The rms normalisation in torch ops and the mixes by `linear` (as the reference: normalise, then
+        multiply), then one kernel for the rest: pre / post, the comb matrix and its Sinkhorn iterations, the
+        collapse of the streams."""
+        flat = streams.flatten(1).float()  # [T, N * D]
+        flat = flat * torch.rsqrt(flat.square().mean(dim=-1, keepdim=True) + norm_eps)
+        mixes = self.linear(flat, fn.float())  # [T, (2 + N) N] or [T, N], float32
+        return hyper.hc_mix(streams, mixes, scale, base, sinkhorn_iters, eps)
+
+    def hc_post(
+        self, block_out: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, comb: torch.Tensor
+    ) -> torch.Tensor:
+        return hyper.hc_post(block_out, streams, post, comb)
+
+    def softmax_pool(self, values: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        return hyper.softmax_pool(values, logits)
 
 
 class NvidiaAttention:
-    """Implements AttentionOps over the row-per-slot paged cache of `ReferenceKVLayout`."""
+    """Implements AttentionOps (a Triton kernel) and V4AttentionOps over the row-per-slot caches of
+    `ReferenceKVLayout` (paged, compressed paged, sliding-window rings).
 
-    def __init__(self, block_size: int) -> None:
-        self.block_size = block_size
+    sparse_attention and indexer_topk are the reference's PyTorch code on the GPU tensors for now: a loop
+    over the sequences with host reads of the metadata (so not capturable in a device graph; V4 decode
+    steps are not captured), each sequence's work shaped by its query count (so not batch-invariant).
+    """
+
+    def __init__(self, layout: KVLayout) -> None:
+        self.layout = layout
+        self.block_size = layout.block_size
+        self._torch = ReferenceAttention(layout)
 
     def paged_attention(self, q, cache, spec, meta, *, scale: float, value_dim: int, value_offset: int = 0):
         return attention.paged_attention(
             q, cache, spec, meta, self.block_size, scale=scale, value_dim=value_dim, value_offset=value_offset
         )
+
+    def sparse_attention(
+        self,
+        q: torch.Tensor,
+        kv: torch.Tensor,
+        ring: torch.Tensor,
+        ring_spec: CacheSpec,
+        meta: AttentionMetadata,
+        *,
+        sinks: torch.Tensor,
+        scale: float,
+        compressed: torch.Tensor | None = None,
+        compressed_spec: CacheSpec | None = None,
+        indices: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """PyTorch reference code (not a kernel)."""
+        return self._torch.sparse_attention(
+            q, kv, ring, ring_spec, meta, sinks=sinks, scale=scale,
+            compressed=compressed, compressed_spec=compressed_spec, indices=indices,
+        )  # fmt: skip
+
+    def indexer_topk(
+        self,
+        q: torch.Tensor,
+        weights: torch.Tensor,
+        keys: torch.Tensor,
+        keys_spec: CacheSpec,
+        meta: AttentionMetadata,
+        *,
+        top_k: int,
+        scale: float,
+    ) -> torch.Tensor:
+        """PyTorch reference code (not a kernel)."""
+        return self._torch.indexer_topk(q, weights, keys, keys_spec, meta, top_k=top_k, scale=scale)

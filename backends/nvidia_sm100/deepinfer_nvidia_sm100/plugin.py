@@ -12,14 +12,19 @@ import os
 
 import torch
 
-from deepinfer_core.backend import API_VERSION, V4_OPS, BackendInfo, Capabilities, DeviceFacts, ProbeResult, hookimpl
+from deepinfer_core.backend import API_VERSION, BackendInfo, Capabilities, DeviceFacts, ProbeResult, hookimpl
 from deepinfer_core.kv.layout import CacheKind
 
 DEEPINFER_API_VERSION = API_VERSION
 MIN_COMPUTE_CAPABILITY = (9, 0)  # SM90 (Hopper); SM100-only paths are gated separately
 
-
-_V4_NOT_YET = "no Triton kernel for it yet: DeepSeek-V4 runs on the cpu reference backend for now"
+# Not an op: a caveat of the batch-invariant mode, reported beside the unsupported ops (nothing asks for it).
+_V4_BATCH_INVARIANCE = (
+    "DeepSeek-V4's sparse_attention and indexer_topk run as the reference's PyTorch code on the GPU "
+    "(correctness first, no kernels yet), and hc_pre normalises with torch ops: per-sequence loops and torch "
+    "reductions whose results may depend on the batch and the prefill chunking, so batch-invariant mode "
+    "covers DeepSeek V2/V3 models only"
+)
 
 
 @hookimpl
@@ -37,19 +42,18 @@ def deepinfer_backend_info():
 def deepinfer_backend_capabilities():
     return Capabilities(
         dtypes=("bfloat16", "float32"),
-        cache_kinds=(CacheKind.PAGED,),
+        # PAGED (compressed too), SLIDING_WINDOW, SEQUENCE_STATE: ReferenceKVLayout's row-per-slot caches
+        cache_kinds=(CacheKind.PAGED, CacheKind.SLIDING_WINDOW, CacheKind.SEQUENCE_STATE),
         block_sizes=(128, 64, 32, 16),
         batch_invariant=True,  # on request: fixed-tiling Triton GEMMs replace cuBLAS (ops.NvidiaOps)
         deterministic_sampling=True,
-        graph_capture=True,
+        graph_capture=True,  # decode steps of V2/V3 models (DeepSeek-V4 models do not ask for graphs yet)
         async_scheduling=True,
         communicators=("in_process",),
         weight_formats=("fp8_block",),  # DeepSeek's FP8 weights stay FP8 in memory (half the bytes to read)
-        unsupported=(
-            ("sliding_window", "the V4 sliding-window ring cache is not implemented on this backend yet"),
-            ("sequence_state", "per-sequence state caches are not implemented on this backend yet"),
-            *((op, _V4_NOT_YET) for op in V4_OPS),
-        ),
+        # V4_OPS are all supported: Triton kernels but for sparse_attention and indexer_topk, which run as
+        # PyTorch reference code for now (ops.NvidiaOps, ops.NvidiaAttention)
+        unsupported=(("v4_batch_invariance", _V4_BATCH_INVARIANCE),),
     )
 
 
@@ -120,7 +124,7 @@ def deepinfer_backend_kv_layout(device, block_size):
 def deepinfer_backend_attention(layout):
     from deepinfer_nvidia_sm100.ops import NvidiaAttention
 
-    return NvidiaAttention(layout.block_size)
+    return NvidiaAttention(layout)  # the layout: V4's attention ops read rings and compressed caches through it
 
 
 @hookimpl

@@ -120,4 +120,3 @@ def test_dispatch_of_a_prefill_sized_step():
     out = comm.combine((d.hidden.float() * scale).bfloat16(), d, weights)
     per_pair = (ids + 1).float() * weights  # [T, K]
     torch.testing.assert_close(out.float(), x.float() * per_pair.sum(dim=1, keepdim=True), rtol=2e-2, atol=2e-1)
-

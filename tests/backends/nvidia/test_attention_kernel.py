@@ -103,7 +103,7 @@ def test_paged_attention_matches_reference(case, block_size, dtype):
     q, meta = ctx.step(MIXED_BATCH)
     padded = torch.zeros(q.shape[0], q.shape[1], q.shape[2] + 8, dtype=dtype)
     padded[..., : q.shape[2]] = q  # the model passes q as a view with a wider head stride
-    out = ctx.attend(NvidiaAttention(block_size), padded[..., : q.shape[2]], meta)
+    out = ctx.attend(NvidiaAttention(ctx.layout), padded[..., : q.shape[2]], meta)
     expected = ctx.attend(ReferenceAttention(ctx.layout), q, meta)
     assert out.shape == expected.shape == (q.shape[0], case["heads"], case["value_dim"]) and out.dtype == dtype
     atol = 1e-5 * math.sqrt(max(LENGTHS))
@@ -127,8 +127,8 @@ def test_chunked_prefill_bitwise_equals_one_prefill(case, dtype):
     for size in CHUNKS:  # each chunk writes its tokens, then attends over them and the cached ones before
         ctx.write(0, range(end, end + size))
         end += size
-        chunks.append(ctx.attend(NvidiaAttention(16), *ctx.step([(0, end, size)])))
-    whole = ctx.attend(NvidiaAttention(16), *ctx.step([(0, end, end)]))
+        chunks.append(ctx.attend(NvidiaAttention(ctx.layout), *ctx.step([(0, end, size)])))
+    whole = ctx.attend(NvidiaAttention(ctx.layout), *ctx.step([(0, end, end)]))
     assert torch.equal(torch.cat(chunks), whole)
 
 
@@ -149,7 +149,7 @@ def test_sequence_rows_bitwise_equal_at_any_place_in_the_batch(case, dtype):
     seen: dict[tuple[int, int, int], torch.Tensor] = {}
     for batch in BATCHES:
         q, meta = ctx.step(batch)
-        out = ctx.attend(NvidiaAttention(16), q, meta)
+        out = ctx.attend(NvidiaAttention(ctx.layout), q, meta)
         starts = meta.query_start_loc.tolist()
         for i, rows in enumerate(batch):
             mine = out[starts[i] : starts[i + 1]]
@@ -164,8 +164,8 @@ def test_bitwise_check_catches_a_key_chunk_size_that_changes(monkeypatch):
     chunking varied with the batch, the invariance tests above would fail."""
     ctx = paged_context(CASES["gqa"], torch.float32, 16, [35], seed=4)
     q, meta = ctx.step([(0, 35, 35)])
-    interpreted = ctx.attend(NvidiaAttention(16), q, meta)
+    interpreted = ctx.attend(NvidiaAttention(ctx.layout), q, meta)
     monkeypatch.setattr(attention, "INTERPRET", False)  # picks the GPU launch sizes; the interpreter still runs it
-    gpu_chunks = ctx.attend(NvidiaAttention(16), q, meta)
+    gpu_chunks = ctx.attend(NvidiaAttention(ctx.layout), q, meta)
     torch.testing.assert_close(gpu_chunks, interpreted)
     assert not torch.equal(gpu_chunks, interpreted)

@@ -59,7 +59,7 @@ def compile_instead(self: JITFunction, *args, grid, warmup, **kwargs):
 def launch_everything() -> None:
     from deepinfer_core.backend.ops import AttentionMetadata, BlockFP8, RoutingConfig
     from deepinfer_core.kv.layout import CacheKind, CacheSpec
-    from deepinfer_nvidia_sm100.kernels import attention, elementwise, gemm, moe, noise, routing
+    from deepinfer_nvidia_sm100.kernels import attention, elementwise, gemm, hyper, moe, noise, routing
 
     for dtype in (torch.bfloat16, torch.float32):
         x = torch.randn(8, 2048).to(dtype)
@@ -69,6 +69,7 @@ def launch_everything() -> None:
         elementwise.rotary(torch.randn(8, 1, 64).to(dtype), torch.arange(8), torch.ones(64, 32), torch.zeros(64, 32),
                            interleaved=False)  # fmt: skip
         elementwise.silu_and_mul(torch.randn(8, 2816).to(dtype))
+        elementwise.silu_and_mul(torch.randn(8, 2816).to(dtype), limit=10.0)  # V4's swiglu limit
         gemm.matmul(x, torch.randn(576, 2048).to(dtype), torch.randn(576).to(dtype))  # split-K and bias
         gemm.matmul(x, torch.randn(8192, 2048).to(dtype))  # no split
         gemm.batched_matmul(torch.randn(16, 8, 128).to(dtype), torch.randn(16, 512, 128).to(dtype))
@@ -78,8 +79,18 @@ def launch_everything() -> None:
             counts = torch.full((4,), rows // 4, dtype=torch.int64)
             counts[0] += rows - int(counts.sum())
             moe.expert_ffn(torch.randn(rows, 256).to(dtype), counts, w13, w2, fixed_tiles=False)
+            moe.expert_ffn(torch.randn(rows, 256).to(dtype), counts, w13, w2, fixed_tiles=False, swiglu_limit=10.0)
         moe.expert_ffn(torch.randn(8, 256).to(dtype), counts, BlockFP8.quantize(w13.float()),
                        BlockFP8.quantize(w2.float()))  # fmt: skip
+        moe.expert_ffn(torch.randn(8, 256).to(dtype), counts, BlockFP8.quantize(w13.float()),
+                       BlockFP8.quantize(w2.float()), swiglu_limit=10.0)  # fmt: skip
+        # DeepSeek-V4 Flash's shapes: 4 streams of 4096, both mixer forms; CSA (2 x 4 slots) and HCA (128) pooling
+        streams = torch.randn(3, 4, 4096).to(dtype)
+        for rows in (24, 4):
+            hyper.hc_mix(streams, torch.randn(3, rows), torch.ones(3), torch.zeros(rows), 20, 1e-6)
+        hyper.hc_post(torch.randn(3, 4096).to(dtype), streams, torch.rand(3, 4), torch.rand(3, 4, 4))
+        for span in (8, 128):
+            hyper.softmax_pool(torch.randn(5, span, 512).to(dtype), torch.randn(5, span, 512))
         for heads, kv_heads, entry, key, offset, value in ((16, 1, 576, 576, 0, 512), (4, 2, 64, 32, 32, 32)):
             spec = CacheSpec(CacheKind.PAGED, dtype, num_heads=kv_heads, head_dim=entry)
             tables = torch.zeros(2, 4, dtype=torch.int64)
@@ -92,9 +103,16 @@ def launch_everything() -> None:
         RoutingConfig(num_experts=256, top_k=8, method="noaux_tc", scoring="sigmoid", num_groups=8, topk_groups=4),
         RoutingConfig(num_experts=64, top_k=6, method="group_limited_greedy", num_groups=8, topk_groups=3),
         RoutingConfig(num_experts=16, top_k=4),
+        # DeepSeek-V4: sqrtsoftplus top-k with the correction bias (V4 Flash: 256 experts, 6 chosen), without it
+        RoutingConfig(num_experts=256, top_k=6, scoring="sqrtsoftplus", normalize=True, routed_scaling_factor=1.5),
+        RoutingConfig(num_experts=16, top_k=4, scoring="sqrtsoftplus"),
     ):
-        bias = torch.zeros(config.num_experts) if config.method == "noaux_tc" else None
+        bias = torch.zeros(config.num_experts) if config.method == "noaux_tc" or config.top_k == 6 else None
         routing.moe_route(torch.randn(5, config.num_experts), config, bias)
+    for scoring, ids_dtype in (("sqrtsoftplus", torch.int64), ("softmax", torch.int32)):  # V4's hash routing
+        config = RoutingConfig(num_experts=256, top_k=6, method="hash", scoring=scoring, normalize=True)
+        expert_ids = torch.stack([torch.randperm(256)[:6] for _ in range(5)]).to(ids_dtype)
+        routing.moe_route(torch.randn(5, 256), config, torch.zeros(256), expert_ids)
     noise.gumbel_noise(torch.tensor([1, 2]), torch.tensor([0, 5]), 102400)
 
 

@@ -1,5 +1,6 @@
 """Every nvidia_sm100 kernel, as its launchers call it, compiles for SM90 without a GPU (see compile_sm90.py):
-the Triton interpreter of the other kernel tests runs Python semantics and accepts code the compiler refuses."""
+the Triton interpreter of the other kernel tests runs Python semantics and accepts code the compiler refuses.
+DeepSeek-V4's kernels and constexpr specialisations (swiglu limit, sqrtsoftplus, hash routing) are compiled too."""
 
 from __future__ import annotations
 
@@ -22,5 +23,18 @@ def test_all_kernels_compile_for_sm90():
     expected = {
         *("_rms_norm_kernel", "_rotary_kernel", "_silu_and_mul_kernel", "_matmul_kernel", "_split_sum_kernel"),
         *("_gate_up_kernel", "_down_kernel", "_paged_attention_kernel", "_route_kernel", "_gumbel_kernel"),
+        *("_hc_mix_kernel", "_hc_post_kernel", "_softmax_pool_kernel"),
     }
     assert kernels == expected, f"compiled {sorted(kernels)}"
+    # DeepSeek-V4's specialisations: the swiglu limit in both activations, sqrtsoftplus scores, hash routing,
+    # both hyper-connection mixer forms
+    variants = done.stdout.splitlines()
+    for kernel, flag in (
+        ("_silu_and_mul_kernel", "('HAS_LIMIT', True)"),
+        ("_gate_up_kernel", "('HAS_LIMIT', True)"),
+        ("_route_kernel", "('SCORING', 2)"),
+        ("_route_kernel", "('HASH', True)"),
+        ("_hc_mix_kernel", "('HAS_COMB', True)"),
+        ("_hc_mix_kernel", "('HAS_COMB', False)"),
+    ):
+        assert any(v.startswith(kernel + " ") and flag in v for v in variants), f"{kernel} with {flag} not compiled"

@@ -1,7 +1,10 @@
-"""Row-local kernels: RMSNorm, rotary embedding, SiLU-and-multiply. One program per row (or row tile);
-each output depends only on its own row, so all three are batch-invariant by construction."""
+"""Row-local kernels: RMSNorm, rotary embedding, SiLU-and-multiply (with DeepSeek-V4's optional swiglu
+limit). One program per row (or row tile); each output depends only on its own row, so all three are
+batch-invariant by construction."""
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import triton
@@ -78,32 +81,56 @@ def rotary(
 
 
 @triton.jit
-def silu_mul_rounded(gate, up, dtype: tl.constexpr):
-    """silu(gate) * up as the reference rounds it: silu rounded to `dtype`, then the product rounded."""
+def silu_mul_rounded(gate, up, dtype: tl.constexpr, limit, HAS_LIMIT: tl.constexpr):
+    """silu(gate) * up as the reference rounds it: silu rounded to `dtype`, then the product rounded.
+
+    HAS_LIMIT (V4's swiglu_limit): silu(min(gate, limit)) * clamp(up, -limit, limit), where `limit` is
+    already rounded to `dtype` (`limit_in`): clamping a `dtype` value in float32 against it is then exact,
+    the reference's clamp in `dtype`. NaNs stay NaN, as torch.clamp keeps them.
+    """
     g = gate.to(tl.float32)
+    u = up.to(tl.float32)
+    if HAS_LIMIT:
+        g = tl.minimum(g, limit, propagate_nan=tl.PropagateNan.ALL)
+        u = tl.maximum(u, -limit, propagate_nan=tl.PropagateNan.ALL)
+        u = tl.minimum(u, limit, propagate_nan=tl.PropagateNan.ALL)
     act = (g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32)
-    return (act * up.to(tl.float32)).to(dtype)
+    return (act * u).to(dtype)
+
+
+@functools.lru_cache(maxsize=64)
+def limit_in(limit: float | None, dtype: torch.dtype) -> tuple[float, bool]:
+    """(the swiglu limit rounded to `dtype`, HAS_LIMIT) as kernel arguments; (0.0, False) for no limit.
+    Rounded here on the host (a Python float, no device work): the clamped value the reference produces."""
+    if limit is None:
+        return 0.0, False
+    return float(torch.tensor(limit, dtype=torch.float32).to(dtype)), True
 
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_out, inner, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(
+    x_ptr, out_ptr, stride_x, stride_out, inner, limit, BLOCK: tl.constexpr, HAS_LIMIT: tl.constexpr
+):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < inner
     gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
     up = tl.load(x_ptr + row * stride_x + inner + cols, mask=mask, other=0.0)
-    tl.store(out_ptr + row * stride_out + cols, silu_mul_rounded(gate, up, out_ptr.dtype.element_ty), mask=mask)
+    out = out_ptr + row * stride_out + cols  # before the activation, as ever: no limit compiles the same code
+    tl.store(out, silu_mul_rounded(gate, up, out_ptr.dtype.element_ty, limit, HAS_LIMIT), mask=mask)
 
 
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    """x [T, 2I] = [gate | up] -> silu(gate) * up [T, I]."""
+def silu_and_mul(x: torch.Tensor, limit: float | None = None) -> torch.Tensor:
+    """x [T, 2I] = [gate | up] -> silu(gate) * up [T, I]; with `limit`, silu(min(gate, limit)) *
+    clamp(up, -limit, limit) in the same launch."""
     if x.stride(-1) != 1:
         x = x.contiguous()
     inner = x.shape[-1] // 2
     out = torch.empty((x.shape[0], inner), dtype=x.dtype, device=x.device)
     block = min(1024, next_pow2(inner))
+    value, has_limit = limit_in(limit, x.dtype)
     if x.shape[0]:
         _silu_and_mul_kernel[(x.shape[0], triton.cdiv(inner, block))](
-            x, out, x.stride(0), out.stride(0), inner, BLOCK=block
+            x, out, x.stride(0), out.stride(0), inner, value, BLOCK=block, HAS_LIMIT=has_limit
         )
     return out

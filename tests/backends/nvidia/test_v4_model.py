@@ -1,0 +1,153 @@
+"""A tiny DeepSeek-V4 model runs end to end on the nvidia_sm100 op table (its Triton kernels under the interpreter,
+its PyTorch-reference V4 attention) and generates what the cpu reference backend generates.
+
+The engine is the cpu backend's with `ops` and `attention` swapped for NvidiaOps / NvidiaAttention over the
+same ReferenceKVLayout (what the nvidia backend builds on a GPU): every V4 op and op feature is called —
+hash and sqrtsoftplus routing, the swiglu limit in the shared experts and the grouped expert GEMM, sliding-
+window, CSA and HCA attention with the indexer, hyper-connections — in prefill chunks and decode steps.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+
+import pytest
+import torch
+
+from deepinfer_core.backend.registry import discover
+from deepinfer_core.backend.resolve import resolve_backend
+from deepinfer_core.backend.selection import select_backend
+from deepinfer_core.engine.llm import LLM
+from deepinfer_core.model.config_v4 import CSA, HCA, SLIDING, DeepseekV4Config
+from deepinfer_core.model.deepseek_v4 import expected_weights_v4
+from deepinfer_core.sampling.params import SamplingParams
+from deepinfer_nvidia_sm100.ops import NvidiaAttention, NvidiaOps
+
+TINY_V4 = {  # the conformance suite's tiny V4 (conformance/deepinfer_conformance/cases/conftest.py)
+    "architectures": ["DeepseekV4ForCausalLM"],
+    "vocab_size": 512,
+    "hidden_size": 64,
+    "num_hidden_layers": 4,
+    "layer_types": [SLIDING, CSA, HCA, CSA],  # every attention kind
+    "mlp_layer_types": ["hash_moe", "moe", "moe", "moe"],  # hash routing, then sqrtsoftplus top-k
+    "compress_rates": {CSA: 4, HCA: 16},
+    "sliding_window": 8,
+    "num_attention_heads": 4,
+    "head_dim": 32,
+    "partial_rotary_factor": 0.125,
+    "q_lora_rank": 32,
+    "o_groups": 2,
+    "o_lora_rank": 16,
+    "index_n_heads": 2,
+    "index_head_dim": 16,
+    "index_topk": 8,  # below the entry count of the longer prompts: the indexer really chooses
+    "hc_mult": 2,
+    "hc_sinkhorn_iters": 5,
+    "n_routed_experts": 4,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 32,
+    "scoring_func": "sqrtsoftplus",
+    "routed_scaling_factor": 1.5,
+    "swiglu_limit": 1.0,  # low enough that the clamp acts on these activations
+    "max_position_embeddings": 1024,
+    "eos_token_id": 1,
+}
+PROMPTS = (3, 17, 40, 77)  # shorter than the window, than an HCA entry (16), several of each
+NEW_TOKENS = 8
+
+
+def _tensor(name: str, shape: tuple[int, ...], generator: torch.Generator) -> torch.Tensor:
+    noise = torch.randn(shape, generator=generator)
+    if name.endswith(("norm.weight", "_scale")):
+        return 1.0 + 0.1 * noise
+    if name.endswith(("_base", "attn_sink", ".ape", "gate.bias")):
+        return 0.5 * noise
+    if name == "model.embed_tokens.weight":
+        return noise
+    if name == "head.weight":
+        return noise * (4.0 / math.sqrt(shape[1]))
+    return noise * (1.0 / math.sqrt(shape[1]))
+
+
+@pytest.fixture(scope="module")
+def tiny_v4(tmp_path_factory):
+    from safetensors.torch import save_file
+
+    cfg = DeepseekV4Config.from_hf(TINY_V4)
+    generator = torch.Generator().manual_seed(4321)
+    tensors = {}
+    for name, shape in expected_weights_v4(cfg).items():
+        if name.endswith("gate.tid2eid"):
+            rows = [torch.randperm(cfg.n_routed_experts, generator=generator)[: shape[1]] for _ in range(shape[0])]
+            tensors[name] = torch.stack(rows).to(torch.int64)
+        else:
+            tensors[name] = _tensor(name, shape, generator).contiguous()
+    path = tmp_path_factory.mktemp("tiny-v4")
+    save_file(tensors, str(path / "model.safetensors"))
+    (path / "config.json").write_text(json.dumps(TINY_V4))
+    return path
+
+
+class Recorded:
+    """An op table or attention that records which of its methods the model called."""
+
+    def __init__(self, inner, called: set[str]) -> None:
+        self._inner, self._called = inner, called
+
+    def __getattr__(self, name: str):
+        self._called.add(name)
+        return getattr(self._inner, name)
+
+
+class RecordedLimits(Recorded):
+    """Also records the V4 keywords the model passed."""
+
+    def silu_and_mul(self, x, **kwargs):
+        self._called.update(f"silu_and_mul:{k}" for k in kwargs)
+        return self._inner.silu_and_mul(x, **kwargs)
+
+    def expert_ffn(self, *args, **kwargs):
+        self._called.update(f"expert_ffn:{k}" for k in kwargs)
+        return self._inner.expert_ffn(*args, **kwargs)
+
+    def moe_route(self, logits, config, bias=None, **kwargs):
+        self._called.update([f"moe_route:{config.method}:{config.scoring}", *(f"moe_route:{k}" for k in kwargs)])
+        return self._inner.moe_route(logits, config, bias, **kwargs)
+
+
+def generate(path, backend) -> list:
+    llm = LLM(model=path, backend=backend, num_kv_blocks=80, max_num_seqs=2, max_num_batched_tokens=16, progress=False)
+    g = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(2, 512, (n,), generator=g).tolist() for n in PROMPTS]
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=5)
+    return [o.outputs[0] for o in llm.generate(prompts, params)]
+
+
+@pytest.fixture
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_tiny_v4_generates_as_the_reference(tiny_v4, one_thread):
+    cpu = resolve_backend(select_backend(discover(), "cpu"), dtype=torch.float32, block_size=16)
+    called: set[str] = set()
+    ops, attention = RecordedLimits(NvidiaOps(), called), Recorded(NvidiaAttention(cpu.kv_layout), called)
+    got = generate(tiny_v4, dataclasses.replace(cpu, ops=ops, attention=attention))
+    want = generate(tiny_v4, cpu)
+    v4 = {"hc_pre", "hc_post", "softmax_pool", "sparse_attention", "indexer_topk", "moe_route:expert_ids"}
+    v4 |= {"silu_and_mul:limit", "expert_ffn:swiglu_limit", "moe_route:hash:sqrtsoftplus"}
+    assert v4 | {"moe_route:greedy:sqrtsoftplus"} <= called, f"not called: {v4 - called}"
+    differs = False
+    for mine, theirs in zip(got, want):
+        assert mine.token_ids == theirs.token_ids
+        for ours, ref in zip(mine.top_logprobs, theirs.top_logprobs):
+            assert list(ours) == list(ref)
+            ours, ref = torch.tensor(list(ours.values())), torch.tensor(list(ref.values()))
+            torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-4)  # a log-softmax over 512 logits
+            differs |= not torch.equal(ours, ref)
+    assert differs, "bit for bit the reference's logprobs: were the Triton kernels called at all?"
