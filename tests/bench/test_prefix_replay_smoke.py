@@ -37,7 +37,7 @@ def test_prefix_replay_writes_a_complete_report(tmp_path):
     report = json.loads(out.read_text())
     assert {"machine", "versions", "config", "workload", "results", "replay_tokens", "v4_flash_estimate"} <= set(report)
     systems = {r["system"]: r for r in report["results"]}
-    assert set(systems) == {"full_recompute", "bounded_replay", "floor_no_replay"}
+    assert set(systems) == {"full_recompute", "bounded_replay", "floor_no_replay", "full_recompute_other_chunks"}
     assert report["replay_tokens"] == 3 * 15
     assert systems["full_recompute"]["prefill_tokens_computed"] == [320]
     hit = systems["bounded_replay"]["cached_tokens"][0]
