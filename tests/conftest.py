@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 collect_ignore = ["distributions"]
 
@@ -119,3 +120,14 @@ def tiny_checkpoint(tmp_path_factory):
     )
     (path / "config.json").write_text(json.dumps(TINY_V3_CONFIG))
     return path
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """One intra-op thread for a module of tiny-model tests: faster than torch's default for tensors this
+    small, and steady when other jobs share the cores (two threads on a busy 2-core machine were seen
+    10x slower: each small op waits for a descheduled thread)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -43,13 +43,7 @@ def ckpt_b(tmp_path_factory):
     return _helper().build_checkpoint("b", tmp_path_factory.mktemp("hf-deepseek-v3"))
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """The model is tiny: one intra-op thread is faster, and steady when other jobs share the cores."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny tensors: see tests/conftest.py
 
 
 def _llm(ckpt, **kwargs) -> LLM:

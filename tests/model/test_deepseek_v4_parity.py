@@ -24,12 +24,7 @@ LENGTHS = [1, 7, 40, 100]  # one token, under a window, several compressed block
 VARIANTS = ["a", "b"]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny tensors: see tests/conftest.py
 
 
 @pytest.fixture(scope="module")

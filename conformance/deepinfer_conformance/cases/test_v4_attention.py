@@ -11,7 +11,7 @@ and ring slots of positions before `window_starts` (stale entries of the slot's 
 Steps mix prefills, chunked prefills (the ring is read), decodes and rows with no queries.
 Attention outputs are compared within tolerance; the indexer's choices as a set per query.
 
-Last, the whole model: greedy generation of the engine on a tiny DeepSeek-V4 checkpoint (conftest.TINY_V4),
+Last, the whole model: greedy generation of the engine on a tiny DeepSeek-V4 checkpoint (deepinfer_conformance.tiny_v4),
 on the backend under test and on the reference, tokens identical and top logprobs within float32 tolerance.
 """
 

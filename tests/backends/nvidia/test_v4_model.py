@@ -10,84 +10,25 @@ window, CSA and HCA attention with the indexer, hyper-connections — in prefill
 from __future__ import annotations
 
 import dataclasses
-import json
-import math
 
 import pytest
 import torch
 
+from deepinfer_conformance.tiny_v4 import write_tiny_v4
 from deepinfer_core.backend.registry import discover
 from deepinfer_core.backend.resolve import resolve_backend
 from deepinfer_core.backend.selection import select_backend
 from deepinfer_core.engine.llm import LLM
-from deepinfer_core.model.config_v4 import CSA, HCA, SLIDING, DeepseekV4Config
-from deepinfer_core.model.deepseek_v4 import expected_weights_v4
 from deepinfer_core.sampling.params import SamplingParams
 from deepinfer_nvidia_sm100.ops import NvidiaAttention, NvidiaOps
 
-TINY_V4 = {  # the conformance suite's tiny V4 (conformance/deepinfer_conformance/cases/conftest.py)
-    "architectures": ["DeepseekV4ForCausalLM"],
-    "vocab_size": 512,
-    "hidden_size": 64,
-    "num_hidden_layers": 4,
-    "layer_types": [SLIDING, CSA, HCA, CSA],  # every attention kind
-    "mlp_layer_types": ["hash_moe", "moe", "moe", "moe"],  # hash routing, then sqrtsoftplus top-k
-    "compress_rates": {CSA: 4, HCA: 16},
-    "sliding_window": 8,
-    "num_attention_heads": 4,
-    "head_dim": 32,
-    "partial_rotary_factor": 0.125,
-    "q_lora_rank": 32,
-    "o_groups": 2,
-    "o_lora_rank": 16,
-    "index_n_heads": 2,
-    "index_head_dim": 16,
-    "index_topk": 8,  # below the entry count of the longer prompts: the indexer really chooses
-    "hc_mult": 2,
-    "hc_sinkhorn_iters": 5,
-    "n_routed_experts": 4,
-    "num_experts_per_tok": 2,
-    "moe_intermediate_size": 32,
-    "scoring_func": "sqrtsoftplus",
-    "routed_scaling_factor": 1.5,
-    "swiglu_limit": 1.0,  # low enough that the clamp acts on these activations
-    "max_position_embeddings": 1024,
-    "eos_token_id": 1,
-}
 PROMPTS = (3, 17, 40, 77)  # shorter than the window, than an HCA entry (16), several of each
 NEW_TOKENS = 8
 
 
-def _tensor(name: str, shape: tuple[int, ...], generator: torch.Generator) -> torch.Tensor:
-    noise = torch.randn(shape, generator=generator)
-    if name.endswith(("norm.weight", "_scale")):
-        return 1.0 + 0.1 * noise
-    if name.endswith(("_base", "attn_sink", ".ape", "gate.bias")):
-        return 0.5 * noise
-    if name == "model.embed_tokens.weight":
-        return noise
-    if name == "head.weight":
-        return noise * (4.0 / math.sqrt(shape[1]))
-    return noise * (1.0 / math.sqrt(shape[1]))
-
-
 @pytest.fixture(scope="module")
 def tiny_v4(tmp_path_factory):
-    from safetensors.torch import save_file
-
-    cfg = DeepseekV4Config.from_hf(TINY_V4)
-    generator = torch.Generator().manual_seed(4321)
-    tensors = {}
-    for name, shape in expected_weights_v4(cfg).items():
-        if name.endswith("gate.tid2eid"):
-            rows = [torch.randperm(cfg.n_routed_experts, generator=generator)[: shape[1]] for _ in range(shape[0])]
-            tensors[name] = torch.stack(rows).to(torch.int64)
-        else:
-            tensors[name] = _tensor(name, shape, generator).contiguous()
-    path = tmp_path_factory.mktemp("tiny-v4")
-    save_file(tensors, str(path / "model.safetensors"))
-    (path / "config.json").write_text(json.dumps(TINY_V4))
-    return path
+    return write_tiny_v4(tmp_path_factory.mktemp("tiny-v4"))  # the conformance suite's tiny V4
 
 
 class Recorded:
