@@ -98,9 +98,16 @@ class Engine:
 
     def _blocks_for_memory(self, memory_bytes: int, block_size: int) -> int:
         """Blocks that fit in `memory_bytes` once every sequence slot's per-sequence caches are set aside."""
-        specs = self.model.cache_specs
-        left = memory_bytes - sequence_bytes(specs) * self.config.scheduler.max_num_seqs
-        return max(1, left // block_bytes(specs, block_size))
+        specs, seqs = self.model.cache_specs, self.config.scheduler.max_num_seqs
+        per_sequence = sequence_bytes(specs) * seqs
+        blocks = (memory_bytes - per_sequence) // block_bytes(specs, block_size)
+        if blocks < 1:
+            raise DeepInferError(
+                f"the KV cache budget of {memory_bytes / 2**20:.0f} MiB does not fit the per-sequence caches of "
+                f"{seqs} sequences ({per_sequence / 2**20:.0f} MiB) plus one block: raise kv_cache_memory_bytes "
+                "or lower max_num_seqs"
+            )
+        return blocks
 
     # ---- requests -------------------------------------------------------------------------------
 
