@@ -36,16 +36,16 @@ def _load_on_first_able(discovery, accelerator: str | None, resolve, load):
     if requested_accelerator(accelerator) != "auto":
         backend = resolve(select_backend(discovery, accelerator))
         return backend, load(backend)
-    candidates = [entry for entry in discovery.backends if entry.available] or [select_backend(discovery, "auto")]
-    for i, entry in enumerate(candidates):  # select_backend above raised, with the reason, if none is available
+    # select_backend raises, with the reason, if no backend is available
+    *others, last = [entry for entry in discovery.backends if entry.available] or [select_backend(discovery, "auto")]
+    for entry in others:
         backend = resolve(entry)
         try:
             return backend, load(backend)
         except UnsupportedModelError as err:
-            if i == len(candidates) - 1:
-                raise
             log.warning("%s; trying the next available backend", err)
-    raise AssertionError("unreachable: the last candidate returns or raises")
+    backend = resolve(last)
+    return backend, load(backend)
 
 
 class LLM:

@@ -57,17 +57,14 @@ class ReferenceAttention:
         return self.layout.gather(cache, spec, slots)[:, 0].float()
 
     def _window(
-        self, kv: torch.Tensor, ring: torch.Tensor, spec: CacheSpec, meta: AttentionMetadata, b: int, q_start: int
+        self, kv: torch.Tensor, ring: torch.Tensor, spec: CacheSpec, rows: range, first: int, since: int, seq_slot: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Sequence b's window keys: ring entries before this step, then this step's; (keys [S, D]
-        float32, positions [S])."""
-        q_end = int(meta.query_start_loc[b + 1])
-        first = int(meta.seq_lens[b]) - (q_end - q_start)  # position of the step's first query
-        since = max(first - (spec.window - 1), int(meta.window_starts[b]))  # a query sees window - 1 earlier
+        """One sequence's window keys: its ring entries of positions since .. first - 1, then this step's
+        (token `rows`, from position `first`); (keys [S, D] float32, positions [S])."""
         earlier = torch.arange(since, first, device=kv.device)
-        slots = ring_slots(int(meta.seq_slots[b]), earlier, spec.ring_size)
-        keys = torch.cat([self.layout.gather(ring, spec, slots)[:, 0].float(), kv[q_start:q_end].float()])
-        return keys, torch.arange(since, first + q_end - q_start, device=kv.device)
+        slots = ring_slots(seq_slot, earlier, spec.ring_size)
+        keys = torch.cat([self.layout.gather(ring, spec, slots)[:, 0].float(), kv[rows.start : rows.stop].float()])
+        return keys, torch.arange(since, first + len(rows), device=kv.device)
 
     def sparse_attention(
         self,
@@ -84,13 +81,16 @@ class ReferenceAttention:
         indices: torch.Tensor | None = None,
     ) -> torch.Tensor:
         out = torch.empty_like(q)
-        starts = meta.query_start_loc.tolist()
+        starts = meta.query_start_loc.tolist()  # host copies, once per call (not per sequence)
+        window_starts, seq_slots = meta.window_starts.tolist(), meta.seq_slots.tolist()
         for b, seq_len in enumerate(meta.seq_lens.tolist()):
             q_start, q_end = starts[b], starts[b + 1]
             if q_end == q_start:
                 continue
-            q_pos = torch.arange(seq_len - (q_end - q_start), seq_len, device=q.device)  # [Q]
-            keys, k_pos = self._window(kv, ring, ring_spec, meta, b, q_start)  # [S, D], [S]
+            first = seq_len - (q_end - q_start)  # position of the step's first query
+            since = max(first - (ring_spec.window - 1), window_starts[b])  # a query sees window - 1 earlier
+            q_pos = torch.arange(first, seq_len, device=q.device)  # [Q]
+            keys, k_pos = self._window(kv, ring, ring_spec, range(q_start, q_end), first, since, seq_slots[b])
             hidden = (k_pos[None, :] > q_pos[:, None]) | (k_pos[None, :] <= q_pos[:, None] - ring_spec.window)
             mask = torch.where(hidden, float("-inf"), 0.0)  # [Q, S]
             if compressed is not None:
