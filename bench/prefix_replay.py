@@ -109,7 +109,7 @@ def run_system(
         seconds.append(time.perf_counter() - start)
         computed.append(sum(step.num_tokens for step in steps))
         cached.append(output.num_cached_tokens)
-        first.append((output.outputs[0].token_ids[0], output.outputs[0].logprobs[0]))
+        first.append((output.outputs[0].token_ids[0], output.outputs[0].token_logprobs[0]))
     return {
         "system": name,
         "seconds": seconds,

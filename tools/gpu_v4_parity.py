@@ -68,7 +68,7 @@ def check(variant: str, helper, root: Path, accelerator: str, device: str) -> di
                     "prompt_len": len(prompt),
                     "cached_tokens": output.num_cached_tokens,
                     "top1_agree": float((theirs.argmax(dim=-1) == torch.tensor(got.token_ids)).float().mean()),
-                    "max_abs_logprob_err": float((torch.tensor(got.logprobs) - chosen).abs().max()),
+                    "max_abs_logprob_err": float((torch.tensor(got.token_logprobs) - chosen).abs().max()),
                 }
             )
         report[dtype] = {"backend": llm.backend.info.name, "device": llm.backend.device.name, "prompts": rows}

@@ -21,7 +21,7 @@ from deepinfer_core.backend.extensions import LogitsProcessor, Observer, Request
 from deepinfer_core.backend.resolve import ResolvedBackend
 from deepinfer_core.engine.block_manager import BlockManager
 from deepinfer_core.engine.pending import LaunchedStep
-from deepinfer_core.engine.request import Request, RequestOutput
+from deepinfer_core.engine.request import Logprob, Request, RequestOutput
 from deepinfer_core.engine.runner import ModelRunner
 from deepinfer_core.engine.scheduler import Scheduler, SchedulerConfig
 from deepinfer_core.engine.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -205,8 +205,7 @@ class Engine:
             token = token_ids[row]
             request.output_token_ids.append(token)
             if (wanted := request.params.logprobs) is not None:
-                request.logprobs.append(logprobs[row])
-                request.top_logprobs.append(dict(zip(top_ids[row][:wanted], top_logprobs[row][:wanted])))
+                self._record_logprobs(request, token, logprobs[row], top_ids[row][:wanted], top_logprobs[row][:wanted])
             new_text = self._detokenize(request)
             streamed = len(request.text) - len(new_text)  # text reported before this token
             self._check_stop(request, token)
@@ -221,6 +220,20 @@ class Engine:
         self._step += 1
         self._observe_step(step)
         return outputs
+
+    def _record_logprobs(
+        self, request: Request, token: int, logprob: float, top_ids: list[int], top_logprobs: list[float]
+    ) -> None:
+        """The token's logprob and its top alternatives, flat and in vLLM's {token id: Logprob} shape."""
+        request.logprobs.append(logprob)
+        request.top_logprobs.append(dict(zip(top_ids, top_logprobs)))
+        request.cumulative_logprob += logprob
+        decode = self.tokenizer.decode if self.tokenizer is not None else (lambda ids: None)
+        rank = top_ids.index(token) + 1 if token in top_ids else None
+        entry = {token: Logprob(logprob, rank, decode([token]))}
+        for i, (other, other_logprob) in enumerate(zip(top_ids, top_logprobs)):
+            entry.setdefault(other, Logprob(other_logprob, i + 1, decode([other])))
+        request.sample_logprobs.append(entry)
 
     def _detokenize(self, request: Request) -> str:
         detokenizer = self._detokenizers.get(request.request_id)

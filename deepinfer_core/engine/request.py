@@ -7,7 +7,17 @@ from dataclasses import dataclass, field
 
 from deepinfer_core.sampling.params import SamplingParams
 
-__all__ = ["CompletionOutput", "Request", "RequestOutput", "RequestStatus"]
+__all__ = ["CompletionOutput", "Logprob", "Request", "RequestOutput", "RequestStatus"]
+
+
+@dataclass(frozen=True, slots=True)
+class Logprob:
+    """vLLM's Logprob: a token's raw logprob, its rank among the vocabulary (1 = most likely; None when
+    unknown) and its text."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
 
 
 class RequestStatus(enum.Enum):
@@ -27,6 +37,8 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[dict[int, float]] = field(default_factory=list)
+    sample_logprobs: list[dict[int, Logprob]] = field(default_factory=list)  # vLLM's shape, built as tokens come
+    cumulative_logprob: float = 0.0
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0  # tokens whose KV is in the cache
     num_cached_tokens: int = 0  # of those, how many came from the prefix cache at admission
@@ -65,12 +77,20 @@ class Request:
 
 @dataclass(frozen=True, slots=True)
 class CompletionOutput:
+    """One sample of a request (vLLM's CompletionOutput, plus flat views of the logprobs)."""
+
     text: str
     token_ids: tuple[int, ...]
-    logprobs: tuple[float, ...] | None  # raw logprob of each generated token, when asked for
-    top_logprobs: tuple[dict[int, float], ...] | None
+    token_logprobs: tuple[float, ...] | None  # raw logprob of each generated token, when asked for
+    top_logprobs: tuple[dict[int, float], ...] | None  # the top `logprobs` alternatives of each token
     finish_reason: str | None
     stop_reason: str | int | None
+    index: int = 0  # which of the request's n samples
+    # vLLM's shape: per generated token {token id: Logprob} holding the chosen token and the top alternatives
+    logprobs: list[dict[int, Logprob]] | None = None
+    cumulative_logprob: float | None = None
+    new_text: str = ""  # text added since this sample's previous report (for streaming)
+    new_token_ids: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,8 +101,17 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     num_cached_tokens: int
-    new_text: str = ""  # text added since the previous report (for streaming)
-    new_token_ids: tuple[int, ...] = ()
+    # vLLM's shape: None for the first prompt token, then {token id: Logprob} per prompt token
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+
+    @property
+    def new_text(self) -> str:
+        """The first sample's text delta (requests with n = 1 have one sample)."""
+        return self.outputs[0].new_text
+
+    @property
+    def new_token_ids(self) -> tuple[int, ...]:
+        return self.outputs[0].new_token_ids
 
     @classmethod
     def of(cls, request: Request, new_text: str = "", new_token_ids: tuple[int, ...] = ()) -> RequestOutput:
@@ -90,10 +119,14 @@ class RequestOutput:
         completion = CompletionOutput(
             text=request.text,
             token_ids=tuple(request.output_token_ids),
-            logprobs=tuple(request.logprobs) if wants_logprobs else None,
+            token_logprobs=tuple(request.logprobs) if wants_logprobs else None,
             top_logprobs=tuple(request.top_logprobs) if wants_logprobs else None,
             finish_reason=request.finish_reason,
             stop_reason=request.stop_reason,
+            logprobs=list(request.sample_logprobs) if wants_logprobs else None,
+            cumulative_logprob=request.cumulative_logprob if wants_logprobs else None,
+            new_text=new_text,
+            new_token_ids=new_token_ids,
         )
         return cls(
             request_id=request.request_id,
@@ -102,6 +135,4 @@ class RequestOutput:
             outputs=[completion],
             finished=request.finished,
             num_cached_tokens=request.num_cached_tokens,
-            new_text=new_text,
-            new_token_ids=new_token_ids,
         )

@@ -97,13 +97,13 @@ def _parse(state: ServerState, body: dict) -> tuple[CompletionBody, list[int], S
 
 def _logprobs(state: ServerState, output) -> dict | None:
     completion = output.outputs[0]
-    if completion.logprobs is None:
+    if completion.token_logprobs is None:
         return None
     token = output.new_token_ids[0]
     decode = state.tokenizer.decode
     return {
         "tokens": [decode([token])],
-        "token_logprobs": [completion.logprobs[-1]],
+        "token_logprobs": [completion.token_logprobs[-1]],
         "top_logprobs": [{decode([t]): lp for t, lp in completion.top_logprobs[-1].items()}],
         "text_offset": [len(completion.text) - len(output.new_text)],
     }
@@ -172,5 +172,5 @@ async def run_completions(state: ServerState, body: dict):
             for key in merged:
                 merged[key] += lp[key]
     completion = last.outputs[0]
-    logprobs = merged if completion.logprobs is not None else None
+    logprobs = merged if completion.token_logprobs is not None else None
     return "json", json.dumps(chunk(completion.text, completion.finish_reason, logprobs, usage_of(last)))

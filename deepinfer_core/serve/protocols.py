@@ -94,8 +94,8 @@ def _token_chunk(output: RequestOutput, eos_token_ids: frozenset[int]) -> dr.Inf
     if output.finished and completion.finish_reason == "stop" and token in eos_token_ids:
         return None  # the end-of-sequence token is not part of the answer
     logprobs = None
-    if completion.logprobs is not None:
-        logprobs = [(completion.logprobs[-1], list(completion.top_logprobs[-1].items()))]
+    if completion.token_logprobs is not None:
+        logprobs = [(completion.token_logprobs[-1], list(completion.top_logprobs[-1].items()))]
     return dr.InferenceChunk.tokens([token], logprobs)
 
 

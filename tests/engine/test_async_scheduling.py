@@ -103,13 +103,13 @@ def _assert_same(got: Run, want: Run, bitwise: bool) -> None:
         assert (mine.finish_reason, mine.stop_reason) == (theirs.finish_reason, theirs.stop_reason), request_id
         if bitwise:  # a batch-invariant backend: nothing may differ, not a bit
             assert mine == theirs, request_id
-        elif theirs.logprobs is not None:  # the batches differ (a stopped request runs one step more)
-            torch.testing.assert_close(torch.tensor(mine.logprobs), torch.tensor(theirs.logprobs))
+        elif theirs.token_logprobs is not None:  # the batches differ (a stopped request runs one step more)
+            torch.testing.assert_close(torch.tensor(mine.token_logprobs), torch.tensor(theirs.token_logprobs))
             for a, b in zip(mine.top_logprobs, theirs.top_logprobs, strict=True):
                 assert list(a) == list(b), request_id
                 torch.testing.assert_close(torch.tensor(list(a.values())), torch.tensor(list(b.values())))
         else:
-            assert mine.logprobs is None and mine.top_logprobs is None
+            assert mine.token_logprobs is None and mine.top_logprobs is None
     assert {k: (v[0], "".join(v[1])) for k, v in got.streamed.items()} == {
         k: (v[0], "".join(v[1])) for k, v in want.streamed.items()
     }

@@ -47,7 +47,7 @@ def _run(checkpoint, graphs, graph_batch_size: int):
         SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, logprobs=5),
     ]
     outputs = llm.generate(prompts, params)
-    return [(o.outputs[0].token_ids, o.outputs[0].logprobs, o.outputs[0].top_logprobs) for o in outputs], llm
+    return [(o.outputs[0].token_ids, o.outputs[0].token_logprobs, o.outputs[0].top_logprobs) for o in outputs], llm
 
 
 def test_capture_sizes_cover_every_batch():

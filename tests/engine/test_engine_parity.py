@@ -73,7 +73,7 @@ def _record_steps(llm: LLM) -> list:
 def _assert_same_logprobs(got, want) -> None:
     """Same tokens, same chosen-token logprobs, same top-k ids (in order) and values."""
     assert got.token_ids == want.token_ids
-    torch.testing.assert_close(torch.tensor(got.logprobs), torch.tensor(want.logprobs))
+    torch.testing.assert_close(torch.tensor(got.token_logprobs), torch.tensor(want.token_logprobs))
     assert len(got.top_logprobs) == len(want.top_logprobs)
     for mine, theirs in zip(got.top_logprobs, want.top_logprobs):
         assert list(mine) == list(theirs)
@@ -255,7 +255,7 @@ def test_seeded_sampling_is_reproducible_and_batch_independent(ckpt_b):
     # the logprobs are the model's raw ones (before temperature / top-p), as HF computes them
     values, ids = _hf_top_logprobs(ckpt_b.hf_model, target, tokens, VOCAB)
     chosen = [float(v[i.tolist().index(t)]) for v, i, t in zip(values, ids, tokens)]
-    torch.testing.assert_close(torch.tensor(alone.outputs[0].logprobs), torch.tensor(chosen))
+    torch.testing.assert_close(torch.tensor(alone.outputs[0].token_logprobs), torch.tensor(chosen))
     for mine, hf_ids, hf_values in zip(alone.outputs[0].top_logprobs, ids[:, :2].tolist(), values[:, :2]):
         assert list(mine) == hf_ids
         torch.testing.assert_close(torch.tensor(list(mine.values())), hf_values)

@@ -39,7 +39,7 @@ def _record(llm: LLM) -> tuple[list, list]:
 
 def _assert_same(got, want) -> None:
     assert got.token_ids == want.token_ids
-    torch.testing.assert_close(torch.tensor(got.logprobs), torch.tensor(want.logprobs))
+    torch.testing.assert_close(torch.tensor(got.token_logprobs), torch.tensor(want.token_logprobs))
     for mine, theirs in zip(got.top_logprobs, want.top_logprobs):
         assert list(mine) == list(theirs)
         torch.testing.assert_close(torch.tensor(list(mine.values())), torch.tensor(list(theirs.values())))
@@ -66,7 +66,7 @@ def test_greedy_continuations_match_hf_generate(hf_v4_checkpoint, variant):
         assert list(got.token_ids) == hf[0, len(prompt) :].tolist(), f"prompt of {len(prompt)} tokens"
         hf_logprobs = _hf_logprobs(ckpt.hf_model, prompt, got.token_ids)
         chosen = hf_logprobs.gather(1, torch.tensor(got.token_ids)[:, None])[:, 0]
-        torch.testing.assert_close(torch.tensor(got.logprobs), chosen)
+        torch.testing.assert_close(torch.tensor(got.token_logprobs), chosen)
 
 
 def _prefix_pair() -> tuple[list[int], list[int]]:
@@ -100,7 +100,7 @@ def test_prefix_hit_replays_a_bounded_window_and_matches_a_plain_run(hf_v4_check
     _assert_same(output.outputs[0], plain.outputs[0])
     got = output.outputs[0]  # and transformers agrees
     hf = _hf_logprobs(ckpt.hf_model, _prefix_pair()[1], got.token_ids)
-    torch.testing.assert_close(torch.tensor(got.logprobs), hf.gather(1, torch.tensor(got.token_ids)[:, None])[:, 0])
+    torch.testing.assert_close(torch.tensor(got.token_logprobs), hf.gather(1, torch.tensor(got.token_ids)[:, None])[:, 0])
 
 
 @pytest.mark.parametrize("short_by", [None, 7])
@@ -112,7 +112,7 @@ def test_a_prefix_hit_without_enough_replay_goes_wrong(hf_v4_checkpoint, short_b
     output, _, _ = _second_with_prefix_hit(ckpt, replay_tokens=replay)
     assert output.num_cached_tokens == 96
     plain = _llm(ckpt, enable_prefix_caching=False).generate([_prefix_pair()[1]], GREEDY)[0].outputs[0]
-    diff = (torch.tensor(output.outputs[0].logprobs[:1]) - torch.tensor(plain.logprobs[:1])).abs().max()
+    diff = (torch.tensor(output.outputs[0].token_logprobs[:1]) - torch.tensor(plain.token_logprobs[:1])).abs().max()
     assert diff > 1e-4
 
 

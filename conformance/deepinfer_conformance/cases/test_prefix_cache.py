@@ -70,7 +70,7 @@ def test_prefix_cache_hit_matches_cold_run(suite, check, tiny_v3, dtype):
             torch.tensor([list(t.values()) for t in c.top_logprobs]),
             what="top-20 logprobs",
         )
-        check.equal(torch.tensor(h.logprobs), torch.tensor(c.logprobs), what="chosen-token logprobs")
+        check.equal(torch.tensor(h.token_logprobs), torch.tensor(c.token_logprobs), what="chosen-token logprobs")
     else:
         actual = [ht.get(t, float("nan")) for ht, ct in zip(h.top_logprobs, c.top_logprobs) for t in list(ct)[:TOP]]
         expected = [v for ct in c.top_logprobs for v in list(ct.values())[:TOP]]

@@ -68,7 +68,7 @@ def test_greedy_tokens_match_the_cpu_backend(tiny_checkpoint, cpu_backend):
     for i, (a, b) in enumerate(zip(got, want)):
         assert len(a.token_ids) == 10
         assert a.token_ids == b.token_ids, f"prompt {i}: {a.token_ids} != {b.token_ids}"
-        torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(torch.tensor(a.token_logprobs), torch.tensor(b.token_logprobs), rtol=1e-4, atol=1e-4)
     # the ascend950 glue really ran: every torch_npu op the dense path and the MoE layers use
     used = {call.op for call in npu.calls}
     assert used == {
