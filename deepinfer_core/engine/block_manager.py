@@ -71,8 +71,9 @@ class BlockManager:
 
     def _prefix_hits(self, request: Request) -> tuple[list[int], list[bytes]]:
         """Cached blocks that match the request's leading full blocks. The block holding its last
-        token never counts, so at least one token is always computed (its logits are needed)."""
-        if not self.enable_prefix_caching:
+        token never counts, so at least one token is always computed (its logits are needed). A request
+        still owed prompt logprobs takes no hit: every prompt position's logits are needed (as vLLM)."""
+        if not self.enable_prefix_caching or request.needs_prompt_logprobs:
             return [], []
         tokens, size = request.all_token_ids, self.block_size
         blocks, hashes, parent = [], [], None

@@ -7,6 +7,10 @@ step N-1 and takes its value on the device. Stops are seen one step late: a requ
 step N-1 may be in step N, whose token for it is dropped. What callers see is what synchronous
 scheduling gives. Penalties count the in-flight token (copied in on the device); logits processors
 read output tokens on the host, so with any loaded the engine schedules synchronously.
+
+A request with n > 1 (or best_of) runs one sequence per sample (`SamplingParams.fan_out`), all under its
+request id; the samples after the first wait until the first one's prompt is in the prefix cache and
+read its KV from there. See `RequestGroup` for what is reported about them.
 """
 
 from __future__ import annotations
@@ -15,13 +19,13 @@ import itertools
 import logging
 import random
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from deepinfer_core.backend.extensions import LogitsProcessor, Observer, RequestEvent, StepStats
 from deepinfer_core.backend.resolve import ResolvedBackend
 from deepinfer_core.engine.block_manager import BlockManager
-from deepinfer_core.engine.pending import LaunchedStep
-from deepinfer_core.engine.request import Logprob, Request, RequestOutput
+from deepinfer_core.engine.pending import HostPromptLogprobs, LaunchedStep
+from deepinfer_core.engine.request import Delta, Logprob, Request, RequestGroup, RequestOutput
 from deepinfer_core.engine.runner import ModelRunner
 from deepinfer_core.engine.scheduler import Scheduler, SchedulerConfig
 from deepinfer_core.engine.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -47,6 +51,7 @@ class EngineConfig:
     scheduler: SchedulerConfig = SchedulerConfig()
     async_scheduling: bool | None = None  # None: where the backend's capabilities say it supports it
     graph_batch_size: int = 256  # decode steps of up to this many sequences replay device graphs; 0: never
+    seed: int | None = None  # seeds requests without one (vLLM's --seed); None: from system randomness
 
 
 class Engine:
@@ -85,8 +90,9 @@ class Engine:
         if tokenizer is not None and tokenizer.eos_token_id is not None:
             eos.add(tokenizer.eos_token_id)
         self.eos_token_ids = frozenset(eos)
-        self._requests: dict[str, Request] = {}
-        self._detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self._requests: dict[str, RequestGroup] = {}  # unfinished requests, by id
+        self._detokenizers: dict[Request, IncrementalDetokenizer] = {}
+        self._seeds = random.Random(config.seed)  # None: seeded from the system's randomness
         self._arrivals = itertools.count()
         self._step = 0
         self._in_flight: LaunchedStep | None = None
@@ -130,14 +136,37 @@ class Engine:
                 f"max_tokens {params.max_tokens}) but the cache holds {capacity}; lower max_tokens "
                 f"or give the engine more KV memory"
             )
-        seed = params.seed if params.seed is not None else random.getrandbits(64)
-        request = Request(request_id, text, token_ids, params, seed, next(self._arrivals))
-        request.max_num_tokens = needed
-        self._requests[request_id] = request
-        if self.tokenizer is not None:
-            self._detokenizers[request_id] = IncrementalDetokenizer(self.tokenizer)
-        self.scheduler.add(request)
+        samples = self._samples(request_id, text, token_ids, params, needed)
+        group = RequestGroup(request_id, text, params, samples)
+        if params.prompt_logprobs is not None:
+            group.prompt_logprobs = [None] * len(token_ids)
+        self._requests[request_id] = group
+        if self.config.enable_prefix_caching:
+            group.held = samples[1:]
+            self.scheduler.add(samples[0])
+        else:  # nothing to share: every sample computes the prompt
+            for sample in samples:
+                self.scheduler.add(sample)
         self._notify(RequestEvent(request_id, "arrived"))
+
+    def _samples(
+        self, request_id: str, text: str | None, token_ids: list[int], params: SamplingParams, max_num_tokens: int
+    ) -> list[Request]:
+        """One sequence per sample of the request, with its seed (drawn when the request has none)."""
+        arrival, vocab = next(self._arrivals), self.model.config.vocab_size
+        masked = tuple(t for t in sorted(self.eos_token_ids | set(params.stop_token_ids)) if 0 <= t < vocab)
+        samples = []
+        for index, sample_params in enumerate(params.fan_out()):
+            if index:  # the first sample computes the prompt's logprobs; the others read its KV from the cache
+                sample_params = replace(sample_params, prompt_logprobs=None)
+            seed = sample_params.seed if sample_params.seed is not None else self._seeds.getrandbits(64)
+            sample = Request(request_id, text, token_ids, sample_params, seed, arrival, index=index)
+            sample.max_num_tokens = max_num_tokens
+            sample.min_tokens_masked = masked if params.min_tokens else ()
+            if self.tokenizer is not None:
+                self._detokenizers[sample] = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens)
+            samples.append(sample)
+        return samples
 
     def _encode(self, prompt: str | Sequence[int]) -> list[int]:
         if isinstance(prompt, str):
@@ -157,12 +186,15 @@ class Engine:
         return token_ids
 
     def abort(self, request_id: str) -> None:
-        request = self._requests.pop(request_id, None)
-        if request is None or request.finished:
+        """End a request and all its samples; an unknown or finished request id is ignored."""
+        group = self._requests.pop(request_id, None)
+        if group is None:
             return
-        request.finish_reason = "abort"
-        self.scheduler.finish(request)
-        self._detokenizers.pop(request_id, None)
+        for sample in group.samples:
+            if not sample.finished:
+                sample.finish_reason = "abort"
+                self.scheduler.finish(sample)
+            self._detokenizers.pop(sample, None)
         self._notify(RequestEvent(request_id, "aborted"))
 
     def has_unfinished(self) -> bool:
@@ -186,78 +218,136 @@ class Engine:
         if not scheduled.requests:
             return None
         in_flight = self._in_flight.tokens() if self._in_flight else None
-        launched = LaunchedStep(scheduled, *self.runner.execute(scheduled.requests, in_flight))
+        launched = LaunchedStep(scheduled, self.runner.execute(scheduled.requests, in_flight))
         for request, count in scheduled.requests:
             request.num_computed_tokens += count
             self.blocks.cache_full_blocks(request)  # blocks whose tokens are all known on the host
+            if request.num_computed_tokens >= len(request.prompt_token_ids):
+                self._release_samples(request)
         for request in launched.sampled:
             request.num_pending_tokens += 1  # known when this step is finalized
+        for chunk in launched.output.prompt_logprobs:
+            chunk.request.num_prompt_logprobs = chunk.first + chunk.logprobs.logprobs.shape[0] - 1
         return launched
 
+    def _release_samples(self, request: Request) -> None:
+        """The request's prompt is computed and its full blocks cached: its held samples may run now."""
+        group = self._requests.get(request.request_id)
+        if group is not None and group.held and request is group.samples[0]:
+            self.scheduler.add_first(group.held)
+            group.held = []
+
     def _finalize(self, step: LaunchedStep) -> list[RequestOutput]:
-        """Read a launched step's tokens back; append them, detokenize, check stops, report."""
-        outputs = []
-        token_ids, logprobs, top_ids, top_logprobs = step.read()
+        """Read a launched step's results back; append the tokens, detokenize, check stops, report."""
+        results = step.read()
+        for chunk in results.prompt_logprobs:
+            self._record_prompt_logprobs(chunk)
+        changed: dict[RequestGroup, dict[int, Delta]] = {}
         for row, request in enumerate(step.sampled):
             request.num_pending_tokens -= 1
             if request.finished:  # stopped or aborted after this step was issued: drop the token
                 continue
-            token = token_ids[row]
+            token = results.token_ids[row]
             request.output_token_ids.append(token)
+            request.cumulative_logprob += results.logprobs[row]  # always: best_of ranks samples by it
             if (wanted := request.params.logprobs) is not None:
-                self._record_logprobs(request, token, logprobs[row], top_ids[row][:wanted], top_logprobs[row][:wanted])
-            new_text = self._detokenize(request)
-            streamed = len(request.text) - len(new_text)  # text reported before this token
-            self._check_stop(request, token)
-            new_text = request.text[streamed:]  # a stop string cuts the text: never report it, nor what follows
+                rank = results.ranks[row] if results.ranks is not None else None
+                top = (results.top_ids[row][:wanted], results.top_logprobs[row][:wanted])
+                self._record_logprobs(request, token, results.logprobs[row], rank, *top)
+            new_text = self._append_token_text(request, token)
             if request.finished:
-                self._requests.pop(request.request_id, None)
-                self._detokenizers.pop(request.request_id, None)
-                self._notify(RequestEvent(request.request_id, "finished", request.finish_reason or ""))
+                self._detokenizers.pop(request, None)
             else:  # the block this token completes, if the next step already computed it
                 self.blocks.cache_full_blocks(request)
-            outputs.append(RequestOutput.of(request, new_text, (token,)))
+            changed.setdefault(self._requests[request.request_id], {})[request.index] = (new_text, (token,))
+        outputs = []
+        for group, deltas in changed.items():
+            if group.finished:
+                self._requests.pop(group.request_id, None)
+                self._notify(RequestEvent(group.request_id, "finished", group.samples[0].finish_reason or ""))
+            if (report := group.report(deltas)) is not None:
+                outputs.append(report)
         self._step += 1
         self._observe_step(step)
         return outputs
 
+    def _decode_one(self, token: int) -> str | None:
+        """A token's text in logprobs (special tokens spelled out, as vLLM's decoded_token)."""
+        return self.tokenizer.decode([token], skip_special_tokens=False) if self.tokenizer is not None else None
+
+    def _logprob_entry(
+        self, token: int, logprob: float, rank: int | None, top_ids: list[int], top_logprobs: list[float]
+    ) -> dict[int, Logprob]:
+        """vLLM's {token id: Logprob}: the token itself, then its top alternatives ranked 1..k."""
+        rank = top_ids.index(token) + 1 if token in top_ids else rank
+        entry = {token: Logprob(logprob, rank, self._decode_one(token))}
+        for i, (other, other_logprob) in enumerate(zip(top_ids, top_logprobs)):
+            entry.setdefault(other, Logprob(other_logprob, i + 1, self._decode_one(other)))
+        return entry
+
     def _record_logprobs(
-        self, request: Request, token: int, logprob: float, top_ids: list[int], top_logprobs: list[float]
+        self,
+        request: Request,
+        token: int,
+        logprob: float,
+        rank: int | None,
+        top_ids: list[int],
+        top_logprobs: list[float],
     ) -> None:
         """The token's logprob and its top alternatives, flat and in vLLM's {token id: Logprob} shape."""
         request.logprobs.append(logprob)
         request.top_logprobs.append(dict(zip(top_ids, top_logprobs)))
-        request.cumulative_logprob += logprob
-        decode = self.tokenizer.decode if self.tokenizer is not None else (lambda ids: None)
-        rank = top_ids.index(token) + 1 if token in top_ids else None
-        entry = {token: Logprob(logprob, rank, decode([token]))}
-        for i, (other, other_logprob) in enumerate(zip(top_ids, top_logprobs)):
-            entry.setdefault(other, Logprob(other_logprob, i + 1, decode([other])))
-        request.sample_logprobs.append(entry)
+        request.sample_logprobs.append(self._logprob_entry(token, logprob, rank, top_ids, top_logprobs))
+
+    def _record_prompt_logprobs(self, chunk: HostPromptLogprobs) -> None:
+        group = self._requests.get(chunk.request.request_id)
+        if group is None or chunk.request.finished or group.prompt_logprobs is None:
+            return
+        prompt = chunk.request.prompt_token_ids
+        for i, (logprob, rank, top_ids, top_logprobs) in enumerate(
+            zip(chunk.logprobs, chunk.ranks, chunk.top_ids, chunk.top_logprobs)
+        ):
+            position = chunk.first + i
+            group.prompt_logprobs[position] = self._logprob_entry(
+                prompt[position], logprob, rank, top_ids, top_logprobs
+            )
+
+    def _append_token_text(self, request: Request, token: int) -> str:
+        """Check the stop conditions and detokenize the new token; returns the text to report for it. As
+        vLLM's: the text of a stop token (EOS, stop_token_ids) stays out, and a stop string cuts the text
+        (neither it nor what follows is ever reported)."""
+        params, num_output = request.params, len(request.output_token_ids)
+        reason = stop = None
+        if num_output >= params.min_tokens:
+            if token in params.stop_token_ids:
+                reason, stop = "stop", token
+            elif token in self.eos_token_ids and not params.ignore_eos:
+                reason = "stop"
+        streamed = len(request.text)  # text reported before this token
+        if reason is None:
+            delta = self._detokenize(request)
+            streamed = len(request.text) - len(delta)
+            if (
+                params.stop
+                and num_output > params.min_tokens
+                and (hit := _find_stop(request.text, params.stop, streamed))
+            ):
+                request.text = request.text[: hit[0]]
+                reason, stop = "stop", hit[1]
+        if reason is None and request.num_known_tokens >= request.max_num_tokens:  # max_tokens, or the context
+            reason = "length"
+        if reason is not None:
+            request.finish_reason, request.stop_reason = reason, stop
+            self.scheduler.finish(request)
+        return request.text[streamed:]
 
     def _detokenize(self, request: Request) -> str:
-        detokenizer = self._detokenizers.get(request.request_id)
+        detokenizer = self._detokenizers.get(request)
         if detokenizer is None:
             return ""
         delta = detokenizer.update(request.output_token_ids)
         request.text = detokenizer.text
         return delta
-
-    def _check_stop(self, request: Request, token: int) -> None:
-        params = request.params
-        reason = stop = None
-        if token in params.stop_token_ids:
-            reason, stop = "stop", token
-        elif token in self.eos_token_ids and not params.ignore_eos:
-            reason = "stop"
-        elif params.stop and (hit := _find_stop(request.text, params.stop)) is not None:
-            request.text = request.text[: hit[0]]
-            reason, stop = "stop", hit[1]
-        elif request.num_known_tokens >= request.max_num_tokens:  # max_tokens, or the context, reached
-            reason = "length"
-        if reason is not None:
-            request.finish_reason, request.stop_reason = reason, stop
-            self.scheduler.finish(request)
 
     def _notify(self, event: RequestEvent) -> None:
         for observer in self.observers:
@@ -285,7 +375,7 @@ class Engine:
                 log.exception("observer %r failed on a step", observer)
 
 
-def _find_stop(text: str, stops: Sequence[str]) -> tuple[int, str] | None:
-    """The earliest stop string in text, as (index, stop string)."""
-    hits = [(text.find(s), s) for s in stops if s in text]
+def _find_stop(text: str, stops: Sequence[str], new_from: int) -> tuple[int, str] | None:
+    """The earliest stop string in text that ends after `new_from` (in the new text), as (index, stop string)."""
+    hits = [(i, s) for s in stops if (i := text.find(s, max(0, new_from - len(s) + 1))) >= 0]
     return min(hits) if hits else None

@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from deepinfer_core.engine.request import Request
 from deepinfer_core.engine.scheduler import ScheduledStep
 from deepinfer_core.engine.transfer import HostCopy
-from deepinfer_core.sampling.sampler import SampleOutput
 
-__all__ = ["InFlightTokens", "LaunchedStep"]
+if TYPE_CHECKING:  # the runner imports this module
+    from deepinfer_core.engine.runner import StepOutput
+
+__all__ = ["HostPromptLogprobs", "HostResults", "InFlightTokens", "LaunchedStep"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -22,31 +25,66 @@ class InFlightTokens:
     rows: dict[Request, int]  # request -> its row in token_ids
 
 
+@dataclass(frozen=True, slots=True)
+class HostPromptLogprobs:
+    """Logprobs of prompt tokens first.. of a request, read back (one entry per token)."""
+
+    request: Request
+    first: int
+    logprobs: list[float]
+    ranks: list[int]
+    top_ids: list[list[int]]
+    top_logprobs: list[list[float]]
+
+
+@dataclass(frozen=True, slots=True)
+class HostResults:
+    """A step's results on the host; per sampled row unless said otherwise."""
+
+    token_ids: list[int]
+    logprobs: list[float]  # raw logprob of the token
+    top_ids: list[list[int]]
+    top_logprobs: list[list[float]]
+    ranks: list[int] | None  # the token's rank; None when no row asked for logprobs
+    prompt_logprobs: list[HostPromptLogprobs]
+
+
 class LaunchedStep:
     """A step whose model and sampler work is issued. The copy of its results to the host starts
     now; `read()` waits for that copy only, not for steps issued after it."""
 
-    def __init__(self, scheduled: ScheduledStep, sampled: list[Request], output: SampleOutput | None) -> None:
+    def __init__(self, scheduled: ScheduledStep, output: StepOutput) -> None:
         """Made right after the step is issued, before its requests' progress is updated."""
         self.scheduled = scheduled
         self.num_decode_tokens = sum(  # one token past the prompt: decodes (the rest is prefill)
             count == 1 and request.num_computed_tokens >= len(request.prompt_token_ids)
             for request, count in scheduled.requests
         )
-        self.sampled = sampled  # the requests that get a token, in the sampler's row order
+        self.sampled = output.sampled  # the requests that get a token, in the sampler's row order
         self.output = output  # on the device
-        tensors = (output.token_ids, output.logprobs, output.top_token_ids, output.top_logprobs) if output else ()
+        tokens = output.tokens
+        tensors = [tokens.token_ids, tokens.logprobs, tokens.top_token_ids, tokens.top_logprobs] if tokens else []
+        if output.ranks is not None:
+            tensors.append(output.ranks)
+        for chunk in output.prompt_logprobs:
+            lp = chunk.logprobs
+            tensors += [lp.logprobs, lp.ranks, lp.top_ids, lp.top_logprobs]
         self._host = HostCopy(tensors)
 
     def tokens(self) -> InFlightTokens | None:
         """Where the next step finds this step's tokens."""
-        if self.output is None:
+        if self.output.tokens is None:
             return None
-        return InFlightTokens(self.output.token_ids, {r: row for row, r in enumerate(self.sampled)})
+        return InFlightTokens(self.output.tokens.token_ids, {r: row for row, r in enumerate(self.sampled)})
 
-    def read(self) -> tuple[list[int], list[float], list[list[int]], list[list[float]]]:
-        """Per sampled row: token id, its logprob, top token ids, top logprobs (blocks until they are here)."""
-        if self.output is None:
-            return [], [], [], []
-        token_ids, logprobs, top_ids, top_logprobs = (t.tolist() for t in self._host.wait())
-        return token_ids, logprobs, top_ids, top_logprobs
+    def read(self) -> HostResults:
+        """The step's results on the host (blocks until they are here)."""
+        values = [t.tolist() for t in self._host.wait()]
+        tokens = values[:4] if self.output.tokens is not None else [[], [], [], []]
+        del values[: 4 if self.output.tokens is not None else 0]
+        ranks = values.pop(0) if self.output.ranks is not None else None
+        prompt = [
+            HostPromptLogprobs(chunk.request, chunk.first, *values[4 * i : 4 * i + 4])
+            for i, chunk in enumerate(self.output.prompt_logprobs)
+        ]
+        return HostResults(*tokens, ranks, prompt)

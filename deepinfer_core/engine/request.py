@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from deepinfer_core.sampling.params import SamplingParams
 
-__all__ = ["CompletionOutput", "Logprob", "Request", "RequestOutput", "RequestStatus"]
+__all__ = ["CompletionOutput", "Logprob", "Request", "RequestGroup", "RequestOutput", "RequestStatus"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,6 +28,9 @@ class RequestStatus(enum.Enum):
 
 @dataclass(eq=False, slots=True)
 class Request:
+    """One sequence: a request with n = 1, or one sample of a request with several (same request_id,
+    its own `index`)."""
+
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
@@ -54,6 +57,9 @@ class Request:
     text: str = ""
     finish_reason: str | None = None  # "stop", "length", "abort"
     stop_reason: str | int | None = None  # the stop string or stop token that ended it
+    index: int = 0  # which of its request's samples this sequence is
+    min_tokens_masked: tuple[int, ...] = ()  # token ids that cannot be sampled before params.min_tokens (EOS, stop ids)
+    num_prompt_logprobs: int = 0  # prompt tokens (from the second) whose logprobs a launched step computed
 
     @property
     def num_tokens(self) -> int:
@@ -74,6 +80,19 @@ class Request:
     def finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
 
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Prompt logprobs asked for and not all computed: the prompt is computed, not read from the prefix cache."""
+        return self.params.prompt_logprobs is not None and self.num_prompt_logprobs < len(self.prompt_token_ids) - 1
+
+    @property
+    def masks_stop_tokens(self) -> bool:
+        """The token being sampled next is still within min_tokens: EOS and stop token ids are masked."""
+        return (
+            bool(self.min_tokens_masked)
+            and len(self.output_token_ids) + self.num_pending_tokens < self.params.min_tokens
+        )
+
 
 @dataclass(frozen=True, slots=True)
 class CompletionOutput:
@@ -88,9 +107,28 @@ class CompletionOutput:
     index: int = 0  # which of the request's n samples
     # vLLM's shape: per generated token {token id: Logprob} holding the chosen token and the top alternatives
     logprobs: list[dict[int, Logprob]] | None = None
-    cumulative_logprob: float | None = None
+    cumulative_logprob: float | None = None  # None unless logprobs were asked for (as vLLM)
     new_text: str = ""  # text added since this sample's previous report (for streaming)
     new_token_ids: tuple[int, ...] = ()
+
+    @classmethod
+    def of(
+        cls, request: Request, index: int, new_text: str = "", new_token_ids: tuple[int, ...] = ()
+    ) -> CompletionOutput:
+        wants_logprobs = request.params.logprobs is not None
+        return cls(
+            text=request.text,
+            token_ids=tuple(request.output_token_ids),
+            token_logprobs=tuple(request.logprobs) if wants_logprobs else None,
+            top_logprobs=tuple(request.top_logprobs) if wants_logprobs else None,
+            finish_reason=request.finish_reason,
+            stop_reason=request.stop_reason,
+            index=index,
+            logprobs=list(request.sample_logprobs) if wants_logprobs else None,
+            cumulative_logprob=request.cumulative_logprob if wants_logprobs else None,
+            new_text=new_text,
+            new_token_ids=new_token_ids,
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,7 +136,7 @@ class RequestOutput:
     request_id: str
     prompt: str | None
     prompt_token_ids: tuple[int, ...]
-    outputs: list[CompletionOutput]
+    outputs: list[CompletionOutput]  # the samples this report is about, ordered by index
     finished: bool
     num_cached_tokens: int
     # vLLM's shape: None for the first prompt token, then {token id: Logprob} per prompt token
@@ -106,33 +144,57 @@ class RequestOutput:
 
     @property
     def new_text(self) -> str:
-        """The first sample's text delta (requests with n = 1 have one sample)."""
+        """The first listed sample's text delta (requests with n = 1 have one sample)."""
         return self.outputs[0].new_text
 
     @property
     def new_token_ids(self) -> tuple[int, ...]:
         return self.outputs[0].new_token_ids
 
-    @classmethod
-    def of(cls, request: Request, new_text: str = "", new_token_ids: tuple[int, ...] = ()) -> RequestOutput:
-        wants_logprobs = request.params.logprobs is not None
-        completion = CompletionOutput(
-            text=request.text,
-            token_ids=tuple(request.output_token_ids),
-            token_logprobs=tuple(request.logprobs) if wants_logprobs else None,
-            top_logprobs=tuple(request.top_logprobs) if wants_logprobs else None,
-            finish_reason=request.finish_reason,
-            stop_reason=request.stop_reason,
-            logprobs=list(request.sample_logprobs) if wants_logprobs else None,
-            cumulative_logprob=request.cumulative_logprob if wants_logprobs else None,
-            new_text=new_text,
-            new_token_ids=new_token_ids,
-        )
-        return cls(
-            request_id=request.request_id,
-            prompt=request.prompt,
-            prompt_token_ids=tuple(request.prompt_token_ids),
-            outputs=[completion],
-            finished=request.finished,
-            num_cached_tokens=request.num_cached_tokens,
+
+Delta = tuple[str, tuple[int, ...]]  # (new text, new token ids) of one sample in one step
+
+
+@dataclass(eq=False, slots=True)
+class RequestGroup:
+    """A request as added: its samples, one sequence each (`SamplingParams.fan_out`), and its prompt logprobs.
+
+    Samples after the first are `held` until the first one's prompt is in the prefix cache, so they read
+    the prompt's KV from there instead of computing it again.
+    """
+
+    request_id: str
+    prompt: str | None
+    params: SamplingParams  # as the request gave them (n, best_of)
+    samples: list[Request]
+    held: list[Request] = field(default_factory=list)
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None  # filled as the prompt is computed
+
+    @property
+    def finished(self) -> bool:
+        return all(s.finished for s in self.samples)
+
+    def report(self, deltas: dict[int, Delta]) -> RequestOutput | None:
+        """What one step changed: the samples with a delta (by sample index). The last report lists the n
+        final samples; with best_of > n those are the n of highest cumulative logprob, best first and
+        re-indexed 0..n-1, each carrying its whole text as its delta, and nothing is reported before it
+        (which samples are kept is known only at the end)."""
+        n, finished = self.params.n, self.finished
+        if len(self.samples) > n:
+            if not finished:
+                return None
+            best = sorted(self.samples, key=lambda s: -s.cumulative_logprob)[:n]  # stable: ties keep index order
+            outputs = [CompletionOutput.of(s, i, s.text, tuple(s.output_token_ids)) for i, s in enumerate(best)]
+        else:
+            shown = self.samples if finished else [s for s in self.samples if s.index in deltas]
+            outputs = [CompletionOutput.of(s, s.index, *deltas.get(s.index, ("", ()))) for s in shown]
+        first = self.samples[0]
+        return RequestOutput(
+            request_id=self.request_id,
+            prompt=self.prompt,
+            prompt_token_ids=tuple(first.prompt_token_ids),
+            outputs=outputs,
+            finished=finished,
+            num_cached_tokens=first.num_cached_tokens,
+            prompt_logprobs=self.prompt_logprobs,
         )

@@ -20,9 +20,30 @@ from deepinfer_core.engine.pending import InFlightTokens
 from deepinfer_core.engine.request import Request
 from deepinfer_core.engine.transfer import to_device
 from deepinfer_core.kv.caches import allocate_caches
+from deepinfer_core.sampling.logprobs import TokenLogprobs, logprobs_of, ranks_of, with_raw_logprobs
 from deepinfer_core.sampling.sampler import SampleOutput, SamplingBatch
 
-__all__ = ["ModelRunner", "StepBatch"]
+__all__ = ["ModelRunner", "PromptLogprobs", "PromptSpan", "StepBatch", "StepOutput"]
+
+_PROMPT_LOGITS_ROWS = 512  # prompt positions turned into logits [rows, V] at a time (bounds the memory)
+
+
+@dataclass(frozen=True, slots=True)
+class PromptSpan:
+    """Prompt tokens whose logprobs a step computes: tokens first..first+count-1 of the request's prompt,
+    from the hidden states of the positions before them, rows hidden_row.. of the step's [T]."""
+
+    request: Request
+    first: int
+    count: int
+    hidden_row: int
+
+
+@dataclass(frozen=True, slots=True)
+class PromptLogprobs:
+    request: Request
+    first: int  # the prompt index of the first token in `logprobs`
+    logprobs: TokenLogprobs  # on the device
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,6 +54,17 @@ class StepBatch:
     sample_rows: list[int]  # index into the step's requests of those that get a new token
     last_token_index: torch.Tensor  # [S] index in [T] of each sampled request's last token
     sampled: list[Request]  # the requests of sample_rows, in that order
+    prompt_spans: tuple[PromptSpan, ...] = ()  # prompt tokens owed logprobs (prompt_logprobs) this step
+
+
+@dataclass(frozen=True, slots=True)
+class StepOutput:
+    """What a step computed, on the device: tokens for the requests that got one, and prompt logprobs."""
+
+    sampled: list[Request]  # the requests that got a token, in the sampler's row order
+    tokens: SampleOutput | None
+    ranks: torch.Tensor | None  # [S] rank of each sampled token; None when no row asked for logprobs
+    prompt_logprobs: list[PromptLogprobs]
 
 
 class ModelRunner:
@@ -73,7 +105,7 @@ class ModelRunner:
     def prepare(self, scheduled: Sequence[tuple[Request, int]], in_flight: InFlightTokens | None = None) -> StepBatch:
         """The step's inputs on the device. A request's newest token may be one `in_flight` sampled."""
         token_ids, positions, slots, starts, seq_lens, tables, sample_rows, last = [], [], [], [0], [], [], [], []
-        seq_slots, window_starts, cached_lens = [], [], []
+        seq_slots, window_starts, cached_lens, prompt_spans = [], [], [], []
         fill_at, fill_from = [], []  # index in token_ids <- row of in_flight.token_ids
         for row, (request, count) in enumerate(scheduled):
             begin, end = request.num_computed_tokens, request.num_computed_tokens + count
@@ -84,6 +116,11 @@ class ModelRunner:
                 fill_at.append(len(token_ids))
                 fill_from.append(in_flight.rows[request])
                 token_ids.append(0)  # placeholder, replaced on the device
+            if request.needs_prompt_logprobs:  # token t's logprob comes from position t - 1's logits
+                first = max(begin, request.num_prompt_logprobs) + 1
+                count_scored = min(end, len(request.prompt_token_ids) - 1) + 1 - first
+                if count_scored > 0:
+                    prompt_spans.append(PromptSpan(request, first, count_scored, starts[-1] + first - 1 - begin))
             positions += range(begin, end)
             slots += [
                 request.block_ids[p // self.block_size] * self.block_size + p % self.block_size
@@ -111,7 +148,10 @@ class ModelRunner:
         on_device = [to_device(values, device) for values in fields]
         meta = AttentionMetadata(*on_device)
         sampled = [scheduled[row][0] for row in sample_rows]
-        return StepBatch(tokens, to_device(positions, device), meta, sample_rows, to_device(last, device), sampled)
+        last_index = to_device(last, device)
+        return StepBatch(
+            tokens, to_device(positions, device), meta, sample_rows, last_index, sampled, tuple(prompt_spans)
+        )
 
     def _processed_logits(self, logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
         if not self.logits_processors:
@@ -124,24 +164,48 @@ class ModelRunner:
         return torch.stack(rows)
 
     @torch.inference_mode()
-    def run_model(self, batch: StepBatch) -> torch.Tensor:
-        """Logits [S, V] float32 of the batch's sampled rows, after the logits processors. The only
-        place the model runs."""
+    def run_model(self, batch: StepBatch) -> tuple[torch.Tensor, list[PromptLogprobs]]:
+        """Logits [S, V] float32 of the batch's sampled rows, after the logits processors, and the
+        logprobs of its prompt spans (from the model's logits). The only place the model runs."""
         meta = batch.meta
         decode = meta.slot_mapping.shape[0] == meta.num_seqs == len(batch.sampled)  # one new token per sequence
-        if decode and self.graphs is not None and self.graphs.fits(meta.num_seqs, meta.block_tables.shape[1]):
+        fits = self.graphs is not None and self.graphs.fits(meta.num_seqs, meta.block_tables.shape[1])
+        if decode and fits and not batch.prompt_spans:
             logits = self.graphs.run(batch.token_ids, batch.positions, meta)  # [S, V], rows in batch order
-            return self._processed_logits(logits, batch.sampled).float()
+            return self._processed_logits(logits, batch.sampled).float(), []
         hidden = self.model.forward(batch.token_ids, batch.positions, meta, self.caches)  # [T, D]
+        prompt = [self._prompt_logprobs(hidden, span) for span in batch.prompt_spans]
         if not batch.sampled:
-            return hidden.new_empty((0, self.model.config.vocab_size), dtype=torch.float32)
+            return hidden.new_empty((0, self.model.config.vocab_size), dtype=torch.float32), prompt
         logits = self.model.logits(hidden[batch.last_token_index])  # [S, V]
-        return self._processed_logits(logits, batch.sampled).float()
+        return self._processed_logits(logits, batch.sampled).float(), prompt
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, span: PromptSpan) -> PromptLogprobs:
+        """Logprobs of a span's prompt tokens and their top `prompt_logprobs` alternatives, from hidden [T, D]."""
+        request, k = span.request, span.request.params.prompt_logprobs
+        targets = to_device(request.prompt_token_ids[span.first : span.first + span.count], self.device)  # [P]
+        rows = hidden[span.hidden_row : span.hidden_row + span.count]  # [P, D]
+        step = _PROMPT_LOGITS_ROWS
+        parts = [
+            logprobs_of(self.model.logits(rows[i : i + step]), targets[i : i + step], k)
+            for i in range(0, span.count, step)
+        ]
+        return PromptLogprobs(request, span.first, TokenLogprobs.cat(parts))
+
+    def _mask_stop_tokens(self, logits: torch.Tensor, rows: list[int], requests: Sequence[Request]) -> torch.Tensor:
+        """logits [S, V] with each of `rows`' EOS and stop token ids at -inf (min_tokens not reached yet)."""
+        at = [(row, token) for row in rows for token in requests[row].min_tokens_masked]
+        index = to_device(at, self.device).unbind(1)  # ([M], [M])
+        return logits.index_put(index, torch.tensor(float("-inf"), device=logits.device))
 
     @torch.inference_mode()
-    def sample(self, batch: StepBatch, logits: torch.Tensor, in_flight: InFlightTokens | None = None) -> SampleOutput:
-        """One token per sampled row of `batch` from its logits [S, V]. Penalties count every output
-        token, those `in_flight` sampled included: they are copied in on the device."""
+    def sample(
+        self, batch: StepBatch, logits: torch.Tensor, in_flight: InFlightTokens | None = None
+    ) -> tuple[SampleOutput, torch.Tensor | None]:
+        """One token per sampled row of `batch` from its logits [S, V], and the rank of each among them
+        (None when no row asked for logprobs). Penalties count every output token, those `in_flight`
+        sampled included: they are copied in on the device. Rows within min_tokens cannot sample EOS or
+        a stop token id; their logprobs are still the unmasked logits' (as vLLM's)."""
         sampled = batch.sampled
         sampling = SamplingBatch.build(
             [r.params for r in sampled],
@@ -157,14 +221,20 @@ class ModelRunner:
         if pending and sampling.any_penalty:  # the token lists exist only for the penalties
             rows, columns, sources = to_device(pending, self.device).unbind(1)  # [P] each
             sampling.output_tokens[rows, columns] = in_flight.token_ids[sources]
-        return self.sampler.sample(logits, sampling)
+        masked_rows = [i for i, r in enumerate(sampled) if r.masks_stop_tokens]
+        if not masked_rows:
+            output = self.sampler.sample(logits, sampling)
+        else:
+            output = self.sampler.sample(self._mask_stop_tokens(logits, masked_rows, sampled), sampling)
+            output = with_raw_logprobs(output, logits, to_device(masked_rows, self.device))
+        wants_ranks = any(r.params.logprobs is not None for r in sampled)
+        return output, ranks_of(logits, output.token_ids) if wants_ranks else None
 
-    def execute(
-        self, scheduled: Sequence[tuple[Request, int]], in_flight: InFlightTokens | None = None
-    ) -> tuple[list[Request], SampleOutput | None]:
-        """Run the step; returns the requests that got a token and the sampler's output for them (on the device)."""
+    def execute(self, scheduled: Sequence[tuple[Request, int]], in_flight: InFlightTokens | None = None) -> StepOutput:
+        """Run the step: its tokens and logprobs stay on the device."""
         batch = self.prepare(scheduled, in_flight)
-        logits = self.run_model(batch)  # [S, V]
+        logits, prompt_logprobs = self.run_model(batch)  # [S, V]
         if not batch.sampled:
-            return [], None
-        return batch.sampled, self.sample(batch, logits, in_flight)
+            return StepOutput([], None, None, prompt_logprobs)
+        tokens, ranks = self.sample(batch, logits, in_flight)
+        return StepOutput(batch.sampled, tokens, ranks, prompt_logprobs)

@@ -11,6 +11,7 @@ flight (`Request.num_pending_tokens`): it is planned for like any other token.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from deepinfer_core.engine.block_manager import BlockManager
@@ -45,6 +46,10 @@ class Scheduler:
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
+
+    def add_first(self, requests: Sequence[Request]) -> None:
+        """Queue requests ahead of every waiting one: the further samples of a request that already runs."""
+        self.waiting.extendleft(reversed(requests))
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)

@@ -12,7 +12,7 @@ __all__ = ["IncrementalDetokenizer", "Tokenizer", "demo_tokenizer_dir"]
 
 
 class Tokenizer:
-    """Encodes text to ids and back; special tokens are skipped when decoding."""
+    """Encodes text to ids and back; decoding leaves special tokens out unless told to keep them."""
 
     def __init__(
         self, tokenizer: _HFTokenizer, add_bos_token: bool, bos_token: str | None, eos_token: str | None
@@ -50,8 +50,8 @@ class Tokenizer:
         ids = self._tokenizer.encode(text, add_special_tokens=False).ids
         return [self.bos_token_id, *ids] if self.add_bos_token else ids
 
-    def decode(self, token_ids: Sequence[int]) -> str:
-        return self._tokenizer.decode(list(token_ids), skip_special_tokens=True)
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self._tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
 
 
 def demo_tokenizer_dir() -> Path:
@@ -64,12 +64,13 @@ def demo_tokenizer_dir() -> Path:
 class IncrementalDetokenizer:
     """Turns a growing list of token ids into text deltas, holding back an incomplete UTF-8 character."""
 
-    def __init__(self, tokenizer: Tokenizer) -> None:
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True) -> None:
         self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens  # the request's (SamplingParams.skip_special_tokens)
         self.text = ""
 
     def update(self, token_ids: Sequence[int]) -> str:
-        text = self.tokenizer.decode(token_ids)
+        text = self.tokenizer.decode(token_ids, self.skip_special_tokens)
         if text.endswith("\ufffd"):  # a multi-byte character split across tokens: wait for the rest
             return ""
         delta = text[len(self.text) :] if text.startswith(self.text) else text

@@ -9,6 +9,7 @@ V4 Flash's at a tiny size: every attention type (sliding window, CSA at rate 4, 
 from __future__ import annotations
 
 import torch
+from tqdm import tqdm
 
 from deepinfer_core.backend.resolve import ResolvedBackend
 from deepinfer_core.model.config_v4 import CSA, HCA, SLIDING, DeepseekV4Config
@@ -55,12 +56,15 @@ DEMO_CONFIG = {
 }
 
 
-def demo_weights(config: DeepseekV4Config, seed: int = DEMO_SEED) -> dict[str, torch.Tensor]:
+def demo_weights(config: DeepseekV4Config, seed: int = DEMO_SEED, progress: bool = False) -> dict[str, torch.Tensor]:
     """Deterministic random weights: N(0, 0.02) matrices and biases, unit norms and mixer scales, a
-    random token -> experts table for the hash-routed layers."""
+    random token -> experts table for the hash-routed layers. progress: a tqdm bar on stderr."""
     generator = torch.Generator().manual_seed(seed)
     weights = {}
-    for name, shape in expected_weights_v4(config).items():
+    expected = expected_weights_v4(config)
+    for name, shape in tqdm(
+        expected.items(), "Building demo weights", len(expected), unit="tensor", disable=not progress
+    ):
         if name.endswith(("norm.weight", "_scale")):
             weights[name] = torch.ones(shape)
         elif name.endswith("tid2eid"):
@@ -71,10 +75,10 @@ def demo_weights(config: DeepseekV4Config, seed: int = DEMO_SEED) -> dict[str, t
     return weights
 
 
-def demo_model(backend: ResolvedBackend) -> DeepseekV4Model:
+def demo_model(backend: ResolvedBackend, progress: bool = False) -> DeepseekV4Model:
     config = DeepseekV4Config.from_hf(DEMO_CONFIG)
     weights = {
         name: t if FLOAT32_WEIGHTS_V4.search(name) or not t.is_floating_point() else t.to(backend.dtype)
-        for name, t in demo_weights(config).items()
+        for name, t in demo_weights(config, progress=progress).items()
     }
     return DeepseekV4Model(config, weights, backend)

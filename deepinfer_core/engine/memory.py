@@ -1,0 +1,70 @@
+"""The KV-cache budget from `gpu_memory_utilization` (vLLM's meaning): the share of the device's memory this
+engine may use for weights and KV cache, less what the loaded weights take."""
+
+from __future__ import annotations
+
+import torch
+
+from deepinfer_core.backend.resolve import ResolvedBackend
+from deepinfer_core.backend.types import DeviceFacts
+from deepinfer_core.errors import DeepInferError
+
+__all__ = ["check_utilization", "kv_budget_from_utilization", "model_bytes"]
+
+_GIB = 1 << 30
+_LEAVES = (str, bytes, int, float, bool, complex, type(None), type)
+
+
+def check_utilization(fraction: float | None) -> None:
+    if fraction is not None and not 0 < fraction <= 1:
+        raise DeepInferError(
+            f"gpu_memory_utilization must be in (0, 1] (the share of the device's memory for weights and KV "
+            f"cache), got {fraction}"
+        )
+
+
+def model_bytes(model) -> int:
+    """Bytes of device memory held by the model's tensors (weights, tables), each storage counted once.
+
+    Walks the model object's attributes, containers and deepinfer objects; the backend is not the model's.
+    """
+    storages: dict[tuple[str, int], int] = {}
+    seen: set[int] = set()
+    stack = [model]
+    while stack:
+        obj = stack.pop()
+        if id(obj) in seen or isinstance(obj, (*_LEAVES, ResolvedBackend)):
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, torch.Tensor):
+            storage = obj.untyped_storage()
+            storages[(str(obj.device), storage.data_ptr())] = storage.nbytes()
+        elif isinstance(obj, dict):
+            stack.extend(obj.values())
+        elif isinstance(obj, list | tuple | set | frozenset):
+            stack.extend(obj)
+        elif type(obj).__module__.startswith("deepinfer"):
+            stack.extend(vars(obj).values() if hasattr(obj, "__dict__") else ())
+            for cls in type(obj).__mro__:
+                slots = getattr(cls, "__slots__", ())
+                names = (slots,) if isinstance(slots, str) else slots
+                stack.extend(getattr(obj, name) for name in names if hasattr(obj, name))
+    return sum(storages.values())
+
+
+def kv_budget_from_utilization(fraction: float, device: DeviceFacts, weights: int) -> int:
+    """fraction * the device's total memory - the weights' bytes; an error when nothing is left."""
+    if device.total_memory_bytes <= 0:
+        raise DeepInferError(
+            f"gpu_memory_utilization needs the device's memory size, but {device.name} does not report it; "
+            "size the KV cache with kv_cache_memory_bytes (or num_kv_blocks) instead"
+        )
+    allowed = int(fraction * device.total_memory_bytes)
+    budget = allowed - weights
+    if budget <= 0:
+        raise DeepInferError(
+            f"gpu_memory_utilization {fraction} allows {allowed / _GIB:.2f} GiB of {device.name}'s "
+            f"{device.total_memory_bytes / _GIB:.2f} GiB, but the weights alone take {weights / _GIB:.2f} GiB, "
+            "leaving nothing for the KV cache; raise gpu_memory_utilization"
+        )
+    return budget
