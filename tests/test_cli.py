@@ -1,8 +1,12 @@
-"""The `deepinfer backends` command, run as the installed console script in a subprocess."""
+"""The `deepinfer backends` command, run as the installed console script in a subprocess; selection
+messages; `deepinfer conformance` without pytest."""
 
 from __future__ import annotations
 
 import json
+import sys
+
+from deepinfer_core.cli import main
 
 
 def assert_clean_error(result, *fragments):
@@ -55,6 +59,42 @@ def test_unknown_accelerator_lists_installed(run_cli):
     assert_clean_error(result, "unknown backend 'tpu'", "cpu: available", "ascend950 (alias ascend)")
 
 
+def test_an_unknown_accelerator_names_where_it_came_from(run_cli):
+    from_env = run_cli(["backends", "--select"], env={"DEEPINFER_ACCELERATOR": "tpu"})
+    assert_clean_error(from_env, "unknown backend 'tpu' (from $DEEPINFER_ACCELERATOR=tpu)", "Set DEEPINFER_ACCELERATOR")
+    assert "--accelerator" not in from_env.stderr
+    # the flag wins over the variable, and the message says the flag
+    for command in (["backends", "--select"], ["serve", "--port", "0"]):
+        from_flag = run_cli([*command, "--accelerator", "nosuch"], env={"DEEPINFER_ACCELERATOR": "cpu"})
+        assert_clean_error(from_flag, "unknown backend 'nosuch' (from --accelerator)", "to --accelerator")
+        assert "DEEPINFER_ACCELERATOR" not in from_flag.stderr
+    unavailable = run_cli(["backends", "--select", "--accelerator", "ascend"])
+    assert_clean_error(unavailable, "ascend950 is not available", "It was asked for by --accelerator.")
+
+
+def test_select_says_where_the_request_came_from(run_cli):
+    assert "(requested 'auto' by the default;" in run_cli(["backends", "--select"]).stdout
+    assert "(requested 'cpu' by $DEEPINFER_ACCELERATOR=cpu;" in (
+        run_cli(["backends", "--select"], env={"DEEPINFER_ACCELERATOR": "cpu"}).stdout
+    )
+    chosen = json.loads(run_cli(["backends", "--select", "--json", "--accelerator", "cpu"]).stdout)
+    assert (chosen["requested"], chosen["source"]) == ("cpu", "--accelerator")
+
+
+def test_long_reasons_are_wrapped_whole_not_cut(run_cli):
+    result = run_cli(["backends"], env={"COLUMNS": "60"})  # the table is never narrower than 80
+    lines = result.stdout.splitlines()
+    at = next(i for i, line in enumerate(lines) if line.startswith("ascend950 (ascend)"))
+    reason = []
+    for line in lines[at + 1 :]:
+        if not line.startswith("    "):
+            break
+        assert len(line) <= 80, line
+        reason.append(line.strip())
+    assert len(reason) > 1  # this reason is longer than a line
+    assert " ".join(reason).endswith("pip install 'deepinfer-ascend950[npu]')")
+
+
 def test_broken_plugins_are_shown_and_do_not_break_the_command(run_cli, install_distributions):
     site = install_distributions("test_backends", "test_broken")
     result = run_cli(["backends"], site=site)
@@ -83,3 +123,12 @@ def test_selecting_a_broken_backend_is_a_clean_error(run_cli, install_distributi
 def test_serve_on_an_unavailable_accelerator_fails_cleanly(run_cli):
     result = run_cli(["serve", "--port", "0"], env={"DEEPINFER_ACCELERATOR": "ascend"})
     assert_clean_error(result, "ascend950 is not available", "torch_npu is not installed", "Available here: cpu")
+
+
+def test_conformance_without_pytest_says_exactly_what_to_install(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "pytest", None)  # `import pytest` fails as on a plain install
+    assert main(["conformance", "--backend", "cpu"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("deepinfer: error: `deepinfer conformance` runs the suite under pytest, which this Python")
+    assert f"Install deepinfer's conformance extra (pytest>=8):\n    {sys.executable} -m pip install " in err
+    assert "[conformance]'" in err and "Traceback" not in err

@@ -1,5 +1,9 @@
 """What cases use: the backend under test and the reference, resolved once per dtype, comparisons that
-record their errors for the report, and skips that carry the backend's own reason."""
+record their errors for the report, and skips that carry the backend's own reason.
+
+A case skips because of what the backend declares through `Suite.require*` (a `CapabilitySkip`, which
+names the capability); any other `pytest.skip` counts as an environment skip (this machine, this torch
+build, the reference's own limits). The report's coverage is built from that distinction."""
 
 from __future__ import annotations
 
@@ -12,7 +16,7 @@ import torch
 from deepinfer_core.backend.registry import BackendEntry
 from deepinfer_core.backend.resolve import ResolvedBackend, resolve_backend
 
-__all__ = ["Check", "Suite", "tolerance"]
+__all__ = ["CapabilitySkip", "Check", "Suite", "tolerance"]
 
 # torch.testing.assert_close defaults (rtol, atol); atol grows with sqrt(reduction length) for ops that sum
 _TOLERANCES = {torch.float32: (1.3e-6, 1e-5), torch.bfloat16: (1.6e-2, 1e-5), torch.float16: (1e-3, 1e-5)}
@@ -22,6 +26,20 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 def tolerance(dtype: torch.dtype, reduce_dim: int = 1) -> tuple[float, float]:
     rtol, atol = _TOLERANCES[dtype]
     return rtol, atol * math.sqrt(max(1, reduce_dim))
+
+
+class CapabilitySkip(pytest.skip.Exception):
+    """A skip because the backend under test declares it cannot do something.
+
+    capability: what, as `Capabilities.<field>` or `<field>:<value>`, e.g. "unsupported:expert_ffn",
+    "dtypes:bfloat16", "cache_kinds:sliding_window", "batch_invariant". The report groups skips by it.
+    """
+
+    __module__ = "builtins"  # pytest -rs shows "CapabilitySkip: <reason>", as it shows "Skipped: <reason>"
+
+    def __init__(self, capability: str, reason: str) -> None:
+        super().__init__(reason)
+        self.capability = capability
 
 
 @dataclass
@@ -52,16 +70,42 @@ class Suite:
         return self.under_test.capabilities
 
     def require(self, op: str) -> None:
+        """Skip unless the backend supports `op` (an op-table method or feature name)."""
         supported = self.capabilities.supports(op)
         if supported is not True:
-            pytest.skip(f"{self.under_test.name} does not support {op}: {supported}")
+            raise CapabilitySkip(f"unsupported:{op}", f"{self.under_test.name} does not support {op}: {supported}")
 
     def require_dtype(self, dtype: torch.dtype) -> None:
+        """Skip unless both the backend and the reference compute in `dtype`."""
         name = str(dtype).removeprefix("torch.")
-        if name not in self.capabilities.dtypes or name not in self.reference.capabilities.dtypes:
-            pytest.skip(
-                f"{self.under_test.name} does not compute in {name} (it declares {', '.join(self.capabilities.dtypes)})"
+        if name not in self.capabilities.dtypes:
+            declared = ", ".join(self.capabilities.dtypes)
+            raise CapabilitySkip(
+                f"dtypes:{name}", f"{self.under_test.name} does not compute in {name} (it declares {declared})"
             )
+        if name not in self.reference.capabilities.dtypes:  # not the backend's doing: an environment skip
+            pytest.skip(f"the reference backend {self.reference.name} does not compute in {name}, so nothing checks it")
+
+    def require_declared(self, field: str, value=None, why: str = "") -> None:
+        """Skip unless the backend declares `value` in the tuple `Capabilities.<field>` (cache_kinds,
+        communicators, weight_formats, kv_dtypes) or, with no value, claims the flag `Capabilities.<field>`
+        (batch_invariant, deterministic_sampling). `why` says what the case needs it for."""
+        caps, name = self.capabilities, self.under_test.name
+        declared = getattr(caps, field)
+        if field == "kv_dtypes":
+            declared = declared or caps.dtypes  # empty means "the compute dtypes"
+        if value is None:
+            if declared:
+                return
+            capability, reason = field, f"{name} does not claim {field} (Capabilities.{field} is False)"
+        else:
+            if value in declared:
+                return
+            shown = getattr(value, "value", value)  # a CacheKind by its name
+            listed = ", ".join(str(getattr(v, "value", v)) for v in declared) or "none"
+            capability = f"{field}:{shown}"
+            reason = f"{name} does not declare {shown!r} in Capabilities.{field} (it lists {listed})"
+        raise CapabilitySkip(capability, f"{reason}; {why}" if why else reason)
 
 
 class Check:

@@ -13,8 +13,8 @@ import time
 import pytest
 
 from deepinfer_conformance import CASES_DIR
-from deepinfer_conformance.harness import Check, Suite
-from deepinfer_conformance.report import CaseResult, build_report, format_table, write_report
+from deepinfer_conformance.harness import CapabilitySkip, Check, Suite
+from deepinfer_conformance.report import CaseReport, Skip, build_report, case_report, format_table, write_report
 
 REFERENCE = "cpu"
 
@@ -39,7 +39,8 @@ def pytest_configure(config: pytest.Config) -> None:
 
     discovery = discover()
     try:
-        suite = Suite(select_backend(discovery, name), select_backend(discovery, REFERENCE))
+        under_test = select_backend(discovery, name, source="--deepinfer-backend")
+        suite = Suite(under_test, select_backend(discovery, REFERENCE))
     except DeepInferError as err:
         raise pytest.UsageError(f"deepinfer conformance: {err}") from None
     if config.args_source != pytest.Config.ArgsSource.ARGS:  # no explicit paths: run the suite itself
@@ -65,20 +66,26 @@ class _Collector:
 
     def __init__(self, config: pytest.Config, suite: Suite) -> None:
         self.config, self.suite = config, suite
-        self.results: dict[str, CaseResult] = {}
+        self.results: dict[str, CaseReport] = {}
+        self.deselected = 0
         self.started = time.time()
+        self.report = None  # the ConformanceReport, once the session ends
+
+    def pytest_deselected(self, items) -> None:
+        self.deselected += len(items)
 
     @pytest.hookimpl(wrapper=True)
     def pytest_runtest_makereport(self, item: pytest.Item, call):
         report = yield
         if report.when == "call" or report.outcome != "passed":
-            self._record(item, report)
+            self._record(item, report, call.excinfo)
         return report
 
-    def _record(self, item: pytest.Item, report: pytest.TestReport) -> None:
+    def _record(self, item: pytest.Item, report: pytest.TestReport, excinfo) -> None:
         measured = next((fields for key, fields in item.user_properties if key == "deepinfer"), {})
+        skip = None
         if report.skipped:
-            status, reason = "skipped", _skip_reason(report)
+            status, reason, skip = "skipped", _skip_reason(report, excinfo), _skip_kind(excinfo)
         elif report.failed:
             status = "failed" if report.when == "call" else "error"
             reason = _failure_message(report)
@@ -86,25 +93,42 @@ class _Collector:
             status, reason = "passed", ""
         case = item.nodeid.split("::", 1)[-1]
         module = item.nodeid.split("::", 1)[0].rsplit("/", 1)[-1].removesuffix(".py").removeprefix("test_")
-        self.results[item.nodeid] = CaseResult(f"{module}::{case}", status, reason, measured, report.duration)
+        self.results[item.nodeid] = case_report(f"{module}::{case}", status, reason, measured, report.duration, skip)
 
     def pytest_terminal_summary(self, terminalreporter) -> None:
         if not self.results:
             return
+        selection = " and ".join(filter(None, (self.config.option.keyword, self.config.option.markexpr)))
+        self.report = report = build_report(
+            self.suite.under_test,
+            list(self.results.values()),
+            time.time() - self.started,
+            self.deselected,
+            selection,
+            reference=self.suite.reference.name,
+        )
         terminalreporter.section("deepinfer conformance")
-        terminalreporter.write_line(format_table(list(self.results.values())))
+        terminalreporter.write_line(format_table(report))
         path = self.config.getoption("deepinfer_report")
         if path:
-            report = build_report(self.suite.under_test, list(self.results.values()), time.time() - self.started)
             write_report(report, path)
             terminalreporter.write_line(f"report written to {os.path.abspath(path)}")
 
 
-def _skip_reason(report: pytest.TestReport) -> str:
+def _skip_reason(report: pytest.TestReport, excinfo) -> str:
+    if excinfo is not None and isinstance(excinfo.value, pytest.skip.Exception):
+        return str(excinfo.value.msg)
     longrepr = report.longrepr
     if isinstance(longrepr, tuple) and len(longrepr) == 3:
         return str(longrepr[2]).removeprefix("Skipped: ")
     return str(longrepr)
+
+
+def _skip_kind(excinfo) -> Skip:
+    """A skip raised by Suite.require* names the capability the backend lacks; any other is environmental."""
+    if excinfo is not None and isinstance(excinfo.value, CapabilitySkip):
+        return Skip(kind="capability", capability=excinfo.value.capability)
+    return Skip(kind="environment")
 
 
 def _failure_message(report: pytest.TestReport) -> str:

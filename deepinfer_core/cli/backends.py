@@ -5,11 +5,13 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import shutil
+import textwrap
 
 from deepinfer_core import __version__
 from deepinfer_core.backend.hookspecs import API_VERSION
 from deepinfer_core.backend.registry import BackendEntry, Discovery, discover
-from deepinfer_core.backend.selection import ENV_VAR, requested_accelerator, select_backend
+from deepinfer_core.backend.selection import ENV_VAR, accelerator_source, requested_accelerator, select_backend
 
 __all__ = ["add_parser"]
 
@@ -83,10 +85,17 @@ def _print_table(discovery: Discovery, verbose: bool) -> None:
         )
         reasons.append(b.reason)
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    width = max(80, shutil.get_terminal_size((120, 24)).columns)
     for row, reason in zip(rows, reasons):
         print("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
-        if reason:
-            print(f"    {reason}")
+        for line in reason.splitlines():  # whole, on its own lines, wrapped (never cut)
+            print(
+                "\n".join(
+                    textwrap.wrap(
+                        line, width, initial_indent="    ", subsequent_indent="      ", break_on_hyphens=False
+                    )
+                )
+            )
     if discovery.plugins:
         print("\nplugins: " + ", ".join(f"{p.name} ({p.distribution} {p.version})" for p in discovery.plugins))
     if discovery.broken:
@@ -101,11 +110,11 @@ def _cmd_backends(args: argparse.Namespace) -> int:
     discovery = discover()
     if args.select:
         backend = select_backend(discovery, args.accelerator)
-        how = requested_accelerator(args.accelerator)
+        how, origin = requested_accelerator(args.accelerator), accelerator_source(args.accelerator)
         if args.json:
-            print(json.dumps({"requested": how, "selected": _backend_row(backend)}, indent=2))
+            print(json.dumps({"requested": how, "source": origin, "selected": _backend_row(backend)}, indent=2))
         else:
-            print(f"{backend.name}  (requested {how!r}; {backend.reason or 'available'})")
+            print(f"{backend.name}  (requested {how!r} by {origin}; {backend.reason or 'available'})")
         return 0
     if args.json:
         print(json.dumps(_report(discovery), indent=2))

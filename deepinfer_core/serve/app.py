@@ -1,7 +1,9 @@
 """The FastAPI application: routes, access control, body limits, and errors in each protocol's format.
 
 Bad input never reaches a 500: bodies are parsed here (malformed JSON, oversize) and every refusal is
-an ApiError answered in the caller's protocol.
+an ApiError answered in the caller's protocol. Routes as vLLM spells them: the /v1 protocols and
+models, /tokenize, /detokenize, /version, /health, /ping, /metrics. As in vLLM, --api-key guards the
+routes under /v1 only; the others (tokenizer, version, health, metrics) stay open.
 """
 
 from __future__ import annotations
@@ -10,6 +12,9 @@ import asyncio
 import hmac
 import json
 import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
@@ -17,12 +22,15 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from deepinfer_core import __version__
 from deepinfer_core.engine.engine import RequestError
+from deepinfer_core.serve import request_log
 from deepinfer_core.serve.async_engine import EngineFailure, Overloaded
 from deepinfer_core.serve.completions import run_completions
 from deepinfer_core.serve.errors import ApiError, error_response
 from deepinfer_core.serve.protocols import PROTOCOLS, run_protocol
 from deepinfer_core.serve.state import ServerState
+from deepinfer_core.serve.tokenize import run_detokenize, run_tokenize
 
 __all__ = ["build_app"]
 
@@ -35,7 +43,7 @@ def _is_anthropic(request: Request) -> bool:
 
 
 def _check_key(state: ServerState, request: Request) -> None:
-    if state.api_key is None:
+    if state.api_key is None or not request.url.path.startswith("/v1"):  # vLLM guards /v1 only
         return
     if _is_anthropic(request):
         given = request.headers.get("x-api-key") or ""
@@ -89,7 +97,23 @@ async def _unless_disconnected(request: Request, work):
             raise ApiError(499, "client closed the request")
 
 
+async def _logged_stream(payload: AsyncIterator[str], record: request_log.RequestRecord) -> AsyncIterator[str]:
+    """The streamed answer, then its request-log line (status 499 when the client left before the end)."""
+    completed = False
+    try:
+        async for part in payload:
+            yield part
+        completed = True
+    finally:
+        await payload.aclose()
+        request_log.log_finished(record, 200 if completed else 499)
+
+
 def build_app(state: ServerState) -> FastAPI:
+    state.metrics.bind(state.served_model_name, state.max_model_len)
+    if state.engine.metrics is None:
+        state.engine.metrics = state.metrics
+
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         state.engine.start()
@@ -107,33 +131,39 @@ def build_app(state: ServerState) -> FastAPI:
         message = f"{request.method} {request.url.path}: {err.detail}"
         return error_response(ApiError(err.status_code, message), _is_anthropic(request))
 
+    def refused(endpoint: str, record: request_log.RequestRecord, status: int) -> None:
+        state.metrics.requests.labels(endpoint, str(status)).inc()
+        request_log.log_finished(record, status)
+
     async def handle(request: Request, endpoint: str, run) -> Response:
+        record = request_log.open_record(endpoint)
         try:
             _check_key(state, request)
             kind, payload = await _unless_disconnected(request, run(state, await _json_body(state, request)))
         except ApiError as err:
-            state.metrics.requests.labels(endpoint, str(err.status)).inc()
+            refused(endpoint, record, err.status)
             raise
         except Overloaded as err:
-            state.metrics.requests.labels(endpoint, "503").inc()
+            refused(endpoint, record, 503)
             raise ApiError(503, str(err), headers={"Retry-After": "1"}) from None
         except RequestError as err:  # the engine refused it (too long, bad token ids)
-            state.metrics.requests.labels(endpoint, "400").inc()
+            refused(endpoint, record, 400)
             raise ApiError(400, str(err)) from None
         except EngineFailure as err:
-            state.metrics.requests.labels(endpoint, "500").inc()
+            refused(endpoint, record, 500)
             raise ApiError(500, str(err)) from None
         except Exception:  # a bug of ours: answer in the protocol's format and keep serving
             log.exception("unexpected error on %s", endpoint)
-            state.metrics.requests.labels(endpoint, "500").inc()
+            refused(endpoint, record, 500)
             raise ApiError(500, "internal server error; see the server log") from None
         state.metrics.requests.labels(endpoint, "200").inc()
         if kind == "stream":
             return StreamingResponse(
-                payload,
+                _logged_stream(payload, record),
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
             )
+        request_log.log_finished(record, 200)
         return Response(payload, media_type="application/json")
 
     @app.post("/v1/chat/completions")
@@ -152,20 +182,65 @@ def build_app(state: ServerState) -> FastAPI:
     async def completions(request: Request):
         return await handle(request, "completions", run_completions)
 
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        return await handle(request, "tokenize", run_tokenize)
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        return await handle(request, "detokenize", run_detokenize)
+
+    started = int(time.time())
+
+    def card() -> dict:  # vLLM's ModelCard
+        permission = {
+            "id": "modelperm-" + uuid.uuid4().hex,
+            "object": "model_permission",
+            "created": started,
+            "allow_create_engine": False,
+            "allow_sampling": True,
+            "allow_logprobs": True,
+            "allow_search_indices": False,
+            "allow_view": True,
+            "allow_fine_tuning": False,
+            "organization": "*",
+            "group": None,
+            "is_blocking": False,
+        }
+        return {
+            "id": state.served_model_name,
+            "object": "model",
+            "created": started,
+            "owned_by": "deepinfer",
+            "root": state.served_model_name,
+            "parent": None,
+            "max_model_len": state.max_model_len,
+            "permission": [permission],
+        }
+
     @app.get("/v1/models")
     async def models(request: Request):
         _check_key(state, request)
-        card = {
-            "id": state.served_model_name,
-            "object": "model",
-            "created": 0,
-            "owned_by": "deepinfer",
-            "max_model_len": state.max_model_len,
-        }
-        return JSONResponse({"object": "list", "data": [card]})
+        return JSONResponse({"object": "list", "data": [card()]})
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(request: Request, model_id: str):
+        _check_key(state, request)
+        if model_id != state.served_model_name:
+            message = f"The model `{model_id}` does not exist; this server serves `{state.served_model_name}`."
+            raise ApiError(404, message, param="model", code="model_not_found")
+        return JSONResponse(card())
+
+    @app.get("/version")
+    async def version():
+        return {"version": __version__}
 
     @app.get("/health")
     async def health():
+        return {"status": "ok"}
+
+    @app.api_route("/ping", methods=["GET", "POST"])
+    async def ping():  # SageMaker's health check, as vLLM serves it
         return {"status": "ok"}
 
     @app.get("/metrics")

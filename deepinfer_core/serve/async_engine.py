@@ -3,19 +3,26 @@ batched together, each handler reads its own request's outputs from a queue.
 
 The engine is not thread-safe and its steps run in a worker thread (so the event loop keeps serving),
 so handlers never touch it directly: additions and aborts are queued and applied between steps.
+
+Every request of every route passes here, so this is where per-request metrics (vLLM's time to first
+token, inter-token latency, end-to-end latency, token counts, finish reasons) and the request log's
+engine side are recorded: timed when the engine reports, not when a slow client reads.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from deepinfer_core.engine.engine import Engine
 from deepinfer_core.engine.request import RequestOutput
 from deepinfer_core.errors import DeepInferError
 from deepinfer_core.sampling.params import SamplingParams
+from deepinfer_core.serve import request_log
+from deepinfer_core.serve.metrics import ServerMetrics
 
 __all__ = ["AsyncEngine", "EngineFailure", "Overloaded"]
 
@@ -38,13 +45,56 @@ class _Add:
     accepted: asyncio.Future
 
 
+@dataclass
+class _Flight:
+    """A request between its arrival and its last report: where its outputs go, and its timings."""
+
+    queue: asyncio.Queue
+    num_prompt_tokens: int
+    params: SamplingParams
+    record: request_log.RequestRecord | None
+    arrival: float = field(default_factory=time.monotonic)
+    last: float | None = None  # when it last reported
+    ttft: float | None = None
+    num_generated: int = 0  # tokens of all samples, best_of's discarded ones included
+    finished: bool = False  # its finish (or abort) is recorded
+
+    def report(self, output: RequestOutput, now: float, metrics: ServerMetrics | None) -> None:
+        new_tokens = sum(len(c.new_token_ids) for c in output.outputs)
+        first = self.last is None
+        if first:
+            self.ttft = now - self.arrival
+        if metrics is not None:
+            interval = now - (self.arrival if first else self.last)
+            metrics.request_output(interval, new_tokens, self.num_prompt_tokens if first else None)
+        self.last, self.num_generated = now, self.num_generated + new_tokens
+        if self.record is not None:
+            self.record.prompt_tokens += self.num_prompt_tokens if first else 0
+            self.record.generation_tokens += new_tokens
+        if output.finished:
+            self.finish(output.outputs[0].finish_reason or "stop", now, metrics)
+
+    def finish(self, reason: str, now: float, metrics: ServerMetrics | None) -> None:
+        if self.finished:
+            return
+        self.finished = True
+        if self.record is not None:
+            self.record.finish_reasons.append(reason)
+        if metrics is not None:
+            p = self.params
+            metrics.request_finished(
+                reason, self.num_prompt_tokens, self.num_generated, now - self.arrival, self.ttft, p.max_tokens, p.n
+            )
+
+
 class AsyncEngine:
-    def __init__(self, engine: Engine, max_waiting: int = 512) -> None:
+    def __init__(self, engine: Engine, max_waiting: int = 512, metrics: ServerMetrics | None = None) -> None:
         self.engine = engine
         self.max_waiting = max_waiting
+        self.metrics = metrics  # set by build_app when not given here
         self._adds: list[_Add] = []
         self._aborts: list[str] = []
-        self._queues: dict[str, asyncio.Queue] = {}
+        self._flights: dict[str, _Flight] = {}
         self._wakeup = asyncio.Event()
         self._task: asyncio.Task | None = None
         self.num_in_flight = 0
@@ -65,13 +115,18 @@ class AsyncEngine:
             raise Overloaded(f"{self.num_in_flight} requests are in flight; retry shortly")
         queue: asyncio.Queue = asyncio.Queue()
         accepted = asyncio.get_running_loop().create_future()
-        self._queues[request_id] = queue
+        record = request_log.current()
+        if record is not None:
+            record.request_ids.append(request_id)
+        flight = _Flight(queue, len(prompt), params, record)
+        self._flights[request_id] = flight
         self._adds.append(_Add(request_id, prompt, params, accepted))
         self._wakeup.set()
         self.num_in_flight += 1
-        finished = False
+        finished = admitted = False
         try:
             await accepted  # raises the engine's RequestError for a request it refuses
+            admitted = True
             while True:
                 output = await queue.get()
                 if isinstance(output, Exception):
@@ -82,10 +137,12 @@ class AsyncEngine:
                     return
         finally:
             self.num_in_flight -= 1
-            self._queues.pop(request_id, None)
+            self._flights.pop(request_id, None)
             if not finished:
                 self._aborts.append(request_id)
                 self._wakeup.set()
+                if admitted:
+                    flight.finish("abort", time.monotonic(), self.metrics)
 
     def _apply_pending(self) -> None:
         adds, self._adds = self._adds, []
@@ -113,10 +170,11 @@ class AsyncEngine:
                 log.exception("engine step failed; failing its requests")
                 for request in list(self.engine.scheduler.running):
                     self.engine.abort(request.request_id)
-                    if (queue := self._queues.get(request.request_id)) is not None:
-                        queue.put_nowait(EngineFailure("the engine failed while running this request"))
+                    if (flight := self._flights.get(request.request_id)) is not None:
+                        flight.queue.put_nowait(EngineFailure("the engine failed while running this request"))
                 continue
+            now = time.monotonic()
             for output in outputs:
-                queue = self._queues.get(output.request_id)
-                if queue is not None:
-                    queue.put_nowait(output)
+                if (flight := self._flights.get(output.request_id)) is not None:
+                    flight.report(output, now, self.metrics)
+                    flight.queue.put_nowait(output)

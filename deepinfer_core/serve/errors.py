@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import json
+import re
 
 from fastapi.responses import JSONResponse
 
-__all__ = ["ApiError", "error_response"]
+__all__ = ["ApiError", "error_response", "from_conversion_error", "invalid_body"]
 
 # OpenAI error type by status, and Anthropic's
 _OPENAI_TYPES = {
@@ -57,10 +58,25 @@ def error_response(err: ApiError, anthropic: bool) -> JSONResponse:
     return JSONResponse(body, status_code=err.status, headers=err.headers)
 
 
+_NAMED_FIELD = re.compile(r"^Invalid (\w+) value")  # deepseek-recipe's "Invalid temperature value, ..."
+_BODY_PREFIX = "invalid request body: "
+
+
 def from_conversion_error(err) -> ApiError:
-    """deepseek-recipe's ConversionError carries a status and an OpenAI-format body: keep its message."""
+    """deepseek-recipe's ConversionError carries a status and an OpenAI-format body: keep its message,
+    and name the field when the message does."""
     try:
-        message = json.loads(err.body)["error"]["message"]
-    except (TypeError, ValueError, KeyError):
-        message = str(err)
-    return ApiError(int(getattr(err, "status_code", 400) or 400), message)
+        error = json.loads(err.body)["error"]
+        message, param = error["message"], error.get("param")
+    except (TypeError, ValueError, KeyError, AttributeError):
+        message, param = str(err), None
+    if param is None and (named := _NAMED_FIELD.match(message)):
+        param = named.group(1)
+    return ApiError(int(getattr(err, "status_code", 400) or 400), message, param=param)
+
+
+def invalid_body(err: Exception) -> ApiError:
+    """A body the protocol's request parser refused (wrong types, integers too big); its message may
+    already say "invalid request body" (deepseek-recipe's do): say it once."""
+    message = str(err)
+    return ApiError(400, message if message.startswith(_BODY_PREFIX) else _BODY_PREFIX + message)

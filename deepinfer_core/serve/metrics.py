@@ -1,42 +1,177 @@
-"""Prometheus metrics of the server and the engine (one registry per server)."""
+"""Prometheus metrics of the server (one registry per server), under vLLM's names, types, labels and
+buckets (vllm/v1/metrics/loggers.py) so that dashboards made for vLLM work unchanged.
+
+Every vLLM series carries the labels `model_name` (the served model name) and `engine` ("0": one engine
+per server). Request metrics are recorded by the async engine, which sees every request of every route
+(`request_output`, `request_finished`); gauges are read from the engine when /metrics is scraped
+(`observe_engine`). Two families of ours stay because they add something: `deepinfer_requests_total`
+by endpoint and HTTP status (refusals included, which never reach the engine), and the KV-cache block
+counts behind `vllm:kv_cache_usage_perc`.
+"""
 
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-__all__ = ["ServerMetrics"]
+__all__ = ["FINISH_REASONS", "ServerMetrics"]
 
-_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+FINISH_REASONS = ("stop", "length", "abort")  # vLLM's FinishReason values, the finished_reason label
+_LABELS = ("model_name", "engine")
+_TTFT_BUCKETS = (
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
+    160.0, 640.0, 2560.0,
+)  # fmt: skip
+_TOKEN_LATENCY_BUCKETS = (
+    0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
+)  # fmt: skip
+_REQUEST_LATENCY_BUCKETS = (
+    0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0,
+    1920.0, 7680.0,
+)  # fmt: skip
+
+
+def build_1_2_5_buckets(max_value: int) -> list[int]:
+    """1, 2, 5, 10, 20, 50, ... up to max_value (vLLM's buckets for token counts)."""
+    buckets, scale = [], 1
+    while True:
+        for mantissa in (1, 2, 5):
+            if mantissa * scale > max_value:
+                return buckets
+            buckets.append(mantissa * scale)
+        scale *= 10
 
 
 class ServerMetrics:
-    def __init__(self) -> None:
+    """The server's registry. `bind(model_name, max_model_len)` (done by `build_app`) creates the vLLM
+    families, whose labels and token-count buckets depend on the served model."""
+
+    def __init__(self, model_name: str | None = None, max_model_len: int | None = None) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter(
-            "deepinfer_requests", "Finished requests by endpoint and status", ["endpoint", "status"], registry=r
+            "deepinfer_requests", "Finished HTTP requests by endpoint and status", ["endpoint", "status"], registry=r
         )
-        self.prompt_tokens = Counter("deepinfer_prompt_tokens", "Prompt tokens of all requests", registry=r)
-        self.generation_tokens = Counter("deepinfer_generation_tokens", "Generated tokens", registry=r)
-        self.ttft = Histogram(
-            "deepinfer_time_to_first_token_seconds", "Time to first token", buckets=_LATENCY_BUCKETS, registry=r
-        )
-        self.tbt = Histogram(
-            "deepinfer_time_between_tokens_seconds", "Time between tokens", buckets=_LATENCY_BUCKETS, registry=r
-        )
-        self.running = Gauge("deepinfer_requests_running", "Requests running in the engine", registry=r)
-        self.waiting = Gauge("deepinfer_requests_waiting", "Requests waiting for the engine", registry=r)
         self.kv_used = Gauge("deepinfer_kv_blocks_used", "KV-cache blocks in use", registry=r)
         self.kv_total = Gauge("deepinfer_kv_blocks_total", "KV-cache blocks in all", registry=r)
-        self.prefix_hit_rate = Gauge(
-            "deepinfer_prefix_cache_hit_rate", "Fraction of prompt tokens served from the prefix cache", registry=r
+        self.model_name: str | None = None
+        self._prefix_seen = (0, 0)  # the engine's cumulative prefix-cache (queries, hits) at the last scrape
+        if model_name is not None and max_model_len is not None:
+            self.bind(model_name, max_model_len)
+
+    def bind(self, model_name: str, max_model_len: int) -> None:
+        """Create the vLLM families for this model (once; later calls are no-ops)."""
+        if self.model_name is not None:
+            return
+        self.model_name = model_name
+        r, labels = self.registry, (model_name, "0")
+
+        def counter(name: str, doc: str):
+            return Counter(name, doc, _LABELS, registry=r).labels(*labels)
+
+        def gauge(name: str, doc: str):
+            return Gauge(name, doc, _LABELS, registry=r).labels(*labels)
+
+        def histogram(name: str, doc: str, buckets):
+            return Histogram(name, doc, _LABELS, buckets=buckets, registry=r).labels(*labels)
+
+        self.running = gauge("vllm:num_requests_running", "Number of requests in model execution batches.")
+        self.waiting = gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.")
+        self.kv_usage = gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.")
+        self.prefix_queries = counter(
+            "vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens."
+        )
+        self.prefix_hits = counter("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.")
+        self.num_prompt_tokens = counter("vllm:prompt_tokens", "Number of prefill tokens processed.")
+        self.num_generation_tokens = counter("vllm:generation_tokens", "Number of generation tokens processed.")
+        success = Counter(
+            "vllm:request_success",
+            "Count of successfully processed requests.",
+            [*_LABELS, "finished_reason"],
+            registry=r,
+        )
+        self.success = {reason: success.labels(*labels, reason) for reason in FINISH_REASONS}
+        token_buckets = build_1_2_5_buckets(max_model_len)
+        self.request_prompt_tokens = histogram(
+            "vllm:request_prompt_tokens", "Number of prefill tokens processed.", token_buckets
+        )
+        self.request_generation_tokens = histogram(
+            "vllm:request_generation_tokens", "Number of generation tokens processed.", token_buckets
+        )
+        self.request_max_tokens = histogram(
+            "vllm:request_params_max_tokens", "Histogram of the max_tokens request parameter.", token_buckets
+        )
+        self.request_n = histogram("vllm:request_params_n", "Histogram of the n request parameter.", (1, 2, 5, 10, 20))
+        self.time_to_first_token = histogram(
+            "vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.", _TTFT_BUCKETS
+        )
+        self.inter_token = histogram(
+            "vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", _TOKEN_LATENCY_BUCKETS
+        )
+        self.time_per_output_token = histogram(  # vLLM's older name of the same measure, still on many dashboards
+            "vllm:time_per_output_token_seconds",
+            "Histogram of time per output token in seconds (the same as vllm:inter_token_latency_seconds).",
+            _TOKEN_LATENCY_BUCKETS,
+        )
+        self.request_time_per_output_token = histogram(
+            "vllm:request_time_per_output_token_seconds",
+            "Histogram of time_per_output_token_seconds per request.",
+            _TOKEN_LATENCY_BUCKETS,
+        )
+        self.e2e = histogram(
+            "vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.", _REQUEST_LATENCY_BUCKETS
         )
 
+    # ---- recorded by the async engine ------------------------------------------------------------
+
+    def request_output(self, interval: float, num_new_tokens: int, num_prompt_tokens: int | None = None) -> None:
+        """One report of a request, `interval` seconds after the previous one, carrying `num_new_tokens`
+        tokens (all samples). The first report gives `num_prompt_tokens`, and its interval (since arrival)
+        is the time to first token; prompt tokens are counted then, as vLLM does."""
+        if self.model_name is None:
+            return
+        if num_prompt_tokens is not None:
+            self.time_to_first_token.observe(interval)
+            self.num_prompt_tokens.inc(num_prompt_tokens)
+        else:
+            self.inter_token.observe(interval)
+            self.time_per_output_token.observe(interval)
+        self.num_generation_tokens.inc(num_new_tokens)
+
+    def request_finished(
+        self,
+        finished_reason: str,
+        num_prompt_tokens: int,
+        num_generation_tokens: int,
+        e2e: float,
+        ttft: float | None,
+        max_tokens: int,
+        n: int,
+    ) -> None:
+        """A request left the engine: finished ("stop", "length") or aborted ("abort")."""
+        if self.model_name is None:
+            return
+        self.success[finished_reason if finished_reason in self.success else "abort"].inc()
+        self.e2e.observe(e2e)
+        self.request_prompt_tokens.observe(num_prompt_tokens)
+        self.request_generation_tokens.observe(num_generation_tokens)
+        self.request_max_tokens.observe(max_tokens)
+        self.request_n.observe(n)
+        if ttft is not None and num_generation_tokens > 1:
+            self.request_time_per_output_token.observe((e2e - ttft) / (num_generation_tokens - 1))
+
+    # ---- read at scrape time ---------------------------------------------------------------------
+
     def observe_engine(self, engine) -> None:
-        """Refresh the gauges from the engine (called when /metrics is scraped)."""
+        """Refresh the gauges and the prefix-cache counters from the engine (called when /metrics is scraped)."""
+        blocks = engine.blocks
+        self.kv_used.set(blocks.num_used_blocks)
+        self.kv_total.set(blocks.num_blocks)
+        if self.model_name is None:
+            return
         self.running.set(len(engine.scheduler.running))
         self.waiting.set(len(engine.scheduler.waiting))
-        self.kv_used.set(engine.blocks.num_used_blocks)
-        self.kv_total.set(engine.blocks.num_blocks)
-        queries = engine.blocks.prefix_queries
-        self.prefix_hit_rate.set(engine.blocks.prefix_hits / queries if queries else 0.0)
+        self.kv_usage.set(blocks.num_used_blocks / blocks.num_blocks if blocks.num_blocks else 0.0)
+        seen_queries, seen_hits = self._prefix_seen
+        self.prefix_queries.inc(max(0, blocks.prefix_queries - seen_queries))
+        self.prefix_hits.inc(max(0, blocks.prefix_hits - seen_hits))
+        self._prefix_seen = (blocks.prefix_queries, blocks.prefix_hits)

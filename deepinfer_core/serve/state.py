@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import deepseek_recipe as dr
 
@@ -10,7 +10,11 @@ from deepinfer_core.engine.tokenizer import Tokenizer
 from deepinfer_core.serve.async_engine import AsyncEngine
 from deepinfer_core.serve.metrics import ServerMetrics
 
-__all__ = ["ServerState", "build_recipe"]
+__all__ = ["ServerState", "build_recipe", "droppable_special_ids"]
+
+# deepseek-recipe's own `max_tokens` ceiling would refuse (chat, responses) or silently lower (messages) an
+# output limit that the context allows; the context is the limit we check, so its ceiling is lifted
+_NO_RECIPE_CEILING = 2**31 - 1
 
 
 @dataclass
@@ -26,6 +30,37 @@ class ServerState:
     metrics: ServerMetrics
     api_key: str | None = None
     max_body_bytes: int = 8 << 20
+    # output limit of a request that sets none; None: the rest of the context (vLLM's default). Either way
+    # capped by the context and the KV cache, so a request without a limit is never refused for its size
+    default_max_tokens: int | None = None
+    # special tokens left out of chat/responses/messages text when a request skips special tokens
+    # (the default): those the tokenizer marks special that the protocol parser does not need
+    droppable_special_ids: frozenset[int] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.droppable_special_ids = droppable_special_ids(self.tokenizer, self.recipe_tokenizer, self.options)
+
+    @property
+    def kv_capacity_tokens(self) -> int:
+        blocks = self.engine.engine.blocks
+        return blocks.num_blocks * blocks.block_size
+
+
+def droppable_special_ids(
+    tokenizer: Tokenizer, recipe_tokenizer: dr.Tokenizer, options: dr.ConversionOptions
+) -> frozenset[int]:
+    """Ids of the tokenizer's special tokens, less the recipe's structural ones (thinking, tool calls, end
+    of sequence, ...: its parser reads them) and less what the engine's EOS handling covers."""
+    spellings = options.special_tokens
+    structural = set()
+    for name in dir(dr.SpecialToken):
+        kind = getattr(dr.SpecialToken, name)
+        if isinstance(kind, dr.SpecialToken):
+            ids = recipe_tokenizer.encode(spellings.token(kind))
+            if len(ids) == 1:
+                structural.add(ids[0])
+    added = tokenizer._tokenizer.get_added_tokens_decoder()  # {id: AddedToken}
+    return frozenset(i for i, token in added.items() if token.special and i not in structural)
 
 
 def build_recipe(
@@ -35,7 +70,10 @@ def build_recipe(
     exactly the served model name (thinking mode off unless a request asks for it)."""
     recipe_tokenizer = dr.Tokenizer.from_file(tokenizer_file)
     encoding = dr.DeepseekV4Encoding().with_tokenizer(recipe_tokenizer)
-    options = dr.ConversionOptions(default_thinking_mode=False).with_model_versions_by_name(
-        {served_model_name: dr.ModelVersion.DeepseekV4Pro}
+    options = (
+        dr.ConversionOptions(default_thinking_mode=False)
+        .with_model_versions_by_name({served_model_name: dr.ModelVersion.DeepseekV4Pro})
+        .with_thinking_max_tokens_upper_bound(_NO_RECIPE_CEILING)
+        .with_non_thinking_max_tokens_upper_bound(_NO_RECIPE_CEILING)
     )
     return recipe_tokenizer, encoding, options

@@ -96,10 +96,16 @@ class Server:
                 samples[name] = float(value)
         return samples
 
+    def value(self, name: str, samples: dict[str, float] | None = None) -> float:
+        """The sum of a metric's samples over all label values (`vllm:generation_tokens_total`)."""
+        samples = self.metrics() if samples is None else samples
+        return sum(v for key, v in samples.items() if key == name or key.startswith(name + "{"))
+
     def gauges(self) -> tuple[float, float, float]:
         """(kv blocks used, requests running, requests waiting)."""
         m = self.metrics()
-        return m["deepinfer_kv_blocks_used"], m["deepinfer_requests_running"], m["deepinfer_requests_waiting"]
+        running, waiting = self.value("vllm:num_requests_running", m), self.value("vllm:num_requests_waiting", m)
+        return m["deepinfer_kv_blocks_used"], running, waiting
 
     def wait_idle(self, timeout: float = 10.0) -> tuple[float, float, float]:
         """Poll /metrics until no KV block is used and nothing runs or waits; -> the last gauges."""

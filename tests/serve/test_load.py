@@ -13,6 +13,7 @@ import openai
 import pytest
 
 MODEL = "deepinfer-demo-deepseek-v4-random"
+GENERATED = "vllm:generation_tokens_total"
 CHAT = "/v1/chat/completions"
 RESPONSES = "/v1/responses"
 COMPLETIONS = "/v1/completions"
@@ -55,7 +56,7 @@ def test_200_concurrent_streams_complete_and_free_everything(server):
                 while not done.is_set():
                     text = (await raw.get("/metrics")).text
                     for line in text.splitlines():
-                        if line.startswith("deepinfer_requests_running "):
+                        if line.startswith("vllm:num_requests_running{"):
                             peaks["running"] = max(peaks["running"], float(line.split()[1]))
                         elif line.startswith("deepinfer_kv_blocks_used "):
                             peaks["kv"] = max(peaks["kv"], float(line.split()[1]))
@@ -100,7 +101,7 @@ def test_200_concurrent_streams_complete_and_free_everything(server):
     after = server.metrics()
     ok = 'deepinfer_requests_total{endpoint="chat_completions",status="200"}'
     assert after[ok] - before.get(ok, 0) == NUM_CONCURRENT
-    generated = after["deepinfer_generation_tokens_total"] - before["deepinfer_generation_tokens_total"]
+    generated = server.value(GENERATED, after) - server.value(GENERATED, before)
     lengths = sum(finish == "length" for finish, _, _ in results)
     assert 4 * lengths <= generated <= 4 * NUM_CONCURRENT
     assert server.wait_idle() == (0, 0, 0)  # every KV block back, nothing running or waiting
@@ -113,16 +114,16 @@ LONG = 1500  # tokens: far more than a test waits for (the demo model rarely emi
 
 def assert_aborted(server, generated_before: float) -> None:
     assert server.wait_idle(timeout=15) == (0, 0, 0), "the abandoned request still holds the engine"
-    generated = server.metrics()["deepinfer_generation_tokens_total"]
+    generated = server.value(GENERATED)
     time.sleep(0.3)
-    assert server.metrics()["deepinfer_generation_tokens_total"] == generated, "tokens are still being generated"
+    assert server.value(GENERATED) == generated, "tokens are still being generated"
     assert generated - generated_before < LONG
 
 
 @pytest.mark.parametrize("path", [CHAT, RESPONSES, COMPLETIONS, MESSAGES])
 def test_disconnect_mid_stream_aborts_and_frees_blocks(server, path):
     assert server.wait_idle() == (0, 0, 0)
-    generated_before = server.metrics()["deepinfer_generation_tokens_total"]
+    generated_before = server.value(GENERATED)
     with httpx.Client(base_url=server.url, timeout=60) as client:
         with client.stream("POST", path, json=body(path, LONG, True, temperature=1.0)) as r:
             assert r.status_code == 200
@@ -138,7 +139,7 @@ def test_disconnect_mid_stream_aborts_and_frees_blocks(server, path):
 @pytest.mark.parametrize("path", [CHAT, COMPLETIONS, MESSAGES])
 def test_disconnect_while_waiting_for_a_whole_response_aborts(server, path):
     assert server.wait_idle() == (0, 0, 0)
-    generated_before = server.metrics()["deepinfer_generation_tokens_total"]
+    generated_before = server.value(GENERATED)
     with httpx.Client(base_url=server.url, timeout=1.5) as client, pytest.raises(httpx.ReadTimeout):
         client.post(path, json=body(path, LONG, False, temperature=1.0))
     assert_aborted(server, generated_before)

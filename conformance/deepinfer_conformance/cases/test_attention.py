@@ -103,8 +103,7 @@ def attend(
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_paged_attention(suite, check, dtype, scenario, model, block_size):
     suite.require("paged_attention")
-    if CacheKind.PAGED not in suite.capabilities.cache_kinds:
-        pytest.skip(f"{suite.under_test.name} does not declare cache kind {CacheKind.PAGED.value}")
+    suite.require_declared("cache_kinds", CacheKind.PAGED)
     if block_size == "default":
         ours, ref = suite.pair(dtype)
     else:  # the backend's smallest block (many blocks per sequence) against the reference's default size

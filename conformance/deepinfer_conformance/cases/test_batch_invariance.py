@@ -175,8 +175,7 @@ def message(found: list[str], total: int) -> str:
 @pytest.mark.parametrize("family", list(FAMILIES))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_batch_invariance(suite, check, tiny_v3, dtype, family):
-    if not suite.capabilities.batch_invariant:
-        pytest.skip(f"{suite.under_test.name} does not claim batch invariance")
+    suite.require_declared("batch_invariant")
     suite.require_dtype(dtype)
     backend = suite.resolved(suite.under_test, dtype, batch_invariant=True)  # the mode it claims, asked for
     found, worst, total = compare(backend, tiny_v3(32), family)

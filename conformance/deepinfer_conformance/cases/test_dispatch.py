@@ -77,12 +77,8 @@ def _run_in_process(suite, scenarios: dict) -> list[dict]:
 
 
 def _require_gloo_world(suite) -> None:
-    name, caps = suite.under_test.name, suite.capabilities
-    if GLOO not in caps.communicators:
-        pytest.skip(
-            f"{name} does not list {GLOO!r} in Capabilities.communicators (it lists "
-            f"{', '.join(caps.communicators) or 'none'}); multi-process dispatch is tested over gloo"
-        )
+    name = suite.under_test.name
+    suite.require_declared("communicators", GLOO, why="multi-process dispatch is tested over gloo")
     if not torch.distributed.is_available():
         pytest.skip("this torch build has no torch.distributed")
     device = suite.resolved(suite.under_test, _resolve_dtype(suite)).device.torch_device

@@ -61,8 +61,7 @@ def test_greedy_float32(suite, check, tiny_v3, q_lora_rank):
 def test_greedy_float32_fp8_checkpoint(suite, check, tiny_v3_fp8):
     """An FP8 block-quantized checkpoint: kept FP8 by a backend that takes the format, dequantized at load
     for the reference; the same float32 agreement as above."""
-    if "fp8_block" not in suite.capabilities.weight_formats:
-        pytest.skip(f"{suite.under_test.name} does not take FP8 weights: the loader dequantizes them, as for cpu")
+    suite.require_declared("weight_formats", "fp8_block", why="the loader dequantizes FP8 weights, as for cpu")
     ours, ref = suite.pair(torch.float32)
     llm = engine(tiny_v3_fp8, ours)
     assert any(type(t).__name__ == "BlockFP8" for t in llm.model.layers[1][1].w.values()), "no weight stayed FP8"

@@ -12,6 +12,7 @@ import math
 import pytest
 import torch
 
+from deepinfer_conformance.harness import CapabilitySkip
 from deepinfer_core.kv.layout import CacheKind, CacheSpec, compressed_slots, ring_slots
 
 DTYPES = [torch.float32, torch.bfloat16]
@@ -48,18 +49,16 @@ def num_slots(layout, spec: CacheSpec, units: int) -> int:
 
 def kv_dtype_backend(suite, dtype: torch.dtype, kind: CacheKind, rate: int = 1):
     """(backend under test, reference) for a cache of `kind` stored in `dtype`, or skip with the reason."""
-    if kind not in suite.capabilities.cache_kinds:
-        pytest.skip(f"{suite.under_test.name} does not declare cache kind {kind.value}")
+    suite.require_declared("cache_kinds", kind)
     if rate > 1:  # only V4's sparse_attention / indexer_topk read compressed caches
         reasons = [suite.capabilities.supports(op) for op in ("sparse_attention", "indexer_topk")]
         if True not in reasons:
-            pytest.skip(f"{suite.under_test.name} does not support compressed PAGED caches: {reasons[0]}")
-    name = str(dtype).removeprefix("torch.")
-    if suite.capabilities.kv_dtypes and name not in suite.capabilities.kv_dtypes:
-        pytest.skip(
-            f"{suite.under_test.name} does not store KV in {name} "
-            f"(it declares {', '.join(suite.capabilities.kv_dtypes)})"
-        )
+            raise CapabilitySkip(
+                "unsupported:sparse_attention",
+                f"{suite.under_test.name} does not support compressed PAGED caches: {reasons[0]}",
+            )
+    if suite.capabilities.kv_dtypes:  # empty means the compute dtypes, which suite.pair checks
+        suite.require_declared("kv_dtypes", str(dtype).removeprefix("torch."))
     ours, ref = suite.pair(dtype)
     if ours.kv_layout.block_size % rate:
         pytest.skip(f"{suite.under_test.name}'s block size {ours.kv_layout.block_size} is not a multiple of {rate}")

@@ -135,11 +135,7 @@ def test_expert_ffn(suite, check, dtype, counts):
 
 
 def require_fp8_weights(suite) -> None:
-    if "fp8_block" not in suite.capabilities.weight_formats:
-        pytest.skip(
-            f"{suite.under_test.name} does not take FP8 block-quantized weights (Capabilities.weight_formats "
-            f"lists {', '.join(suite.capabilities.weight_formats) or 'none'}); the loader dequantizes them"
-        )
+    suite.require_declared("weight_formats", "fp8_block", why="the loader dequantizes FP8 weights for it")
 
 
 def fp8_weight(*shape: int, seed: int) -> BlockFP8:

@@ -241,11 +241,7 @@ def test_greedy_is_argmax(suite, check, layout):
 
 
 def test_tokens_match_reference(suite, check):
-    if not suite.capabilities.deterministic_sampling:
-        pytest.skip(
-            f"{suite.under_test.name} does not claim deterministic sampling "
-            f"(Capabilities.deterministic_sampling is False), so its draws need not equal the reference's"
-        )
+    suite.require_declared("deterministic_sampling", why="so its draws need not equal the reference's")
     ours, ref = samplers(suite)
     rows = 300
     params, prompts, outputs = mixed_rows(rows, seed=25)

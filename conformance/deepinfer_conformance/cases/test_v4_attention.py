@@ -58,8 +58,7 @@ def randn(*shape, seed: int, dtype=torch.float32, scale: float = 1.0) -> torch.T
 def backends(suite, dtype: torch.dtype, block_size: str, kinds: tuple[CacheKind, ...], rate: int = 1):
     """(backend under test at its default or smallest block size, reference at its default), or skip."""
     for kind in kinds:
-        if kind not in suite.capabilities.cache_kinds:
-            pytest.skip(f"{suite.under_test.name} does not declare cache kind {kind.value}")
+        suite.require_declared("cache_kinds", kind)
     suite.require_dtype(dtype)
     size = None if block_size == "default" else min(suite.capabilities.block_sizes)
     ours, ref = suite.resolved(suite.under_test, dtype, size), suite.resolved(suite.reference, dtype)
@@ -291,8 +290,7 @@ def test_v4_greedy_float32(suite, check, tiny_v4):
     for op in V4_OPS:  # the model calls every one (deepseek_v4.check_backend)
         suite.require(op)
     for kind in CacheKind:
-        if kind not in suite.capabilities.cache_kinds:
-            pytest.skip(f"{suite.under_test.name} does not declare cache kind {kind.value}, which V4 caches need")
+        suite.require_declared("cache_kinds", kind, why="V4 caches need it")
     suite.require_dtype(torch.float32)
     sizes = [size for size in suite.capabilities.block_sizes if size % 16 == 0]  # the HCA rate divides them
     if not sizes:

@@ -1,0 +1,102 @@
+"""vLLM's `/tokenize` and `/detokenize`: what the server would feed the model, without running it.
+
+/tokenize takes {model?, prompt} (encoded as /v1/completions encodes it) or {model?, messages,
+add_generation_prompt?} (the DeepSeek chat encoding of /v1/chat/completions) and answers
+{"count", "max_model_len", "tokens", "token_strs"}; /detokenize takes {model?, tokens} and answers
+{"prompt": text}.
+"""
+
+from __future__ import annotations
+
+import json
+
+import deepseek_recipe as dr
+
+from deepinfer_core.serve.errors import ApiError, from_conversion_error
+from deepinfer_core.serve.state import ServerState
+
+__all__ = ["run_detokenize", "run_tokenize"]
+
+# fields of vLLM's tokenize request that are ours to read, not the chat converter's
+_TOKENIZE_ONLY = ("add_generation_prompt", "continue_final_message", "add_special_tokens", "return_token_strs")
+# the prompt the chat encoding appends for the model's answer: <｜Assistant｜>, then <think> or </think>
+_ANSWER_START = dr.SpecialToken.Assistant.default_str()
+_THINKING = (dr.SpecialToken.ThinkingStart.default_str(), dr.SpecialToken.ThinkingEnd.default_str())
+
+
+def _check_model(state: ServerState, body: dict) -> None:
+    model = body.get("model")
+    if model is not None and model != state.served_model_name:
+        raise ApiError(
+            404,
+            f"The model `{model}` does not exist; this server serves `{state.served_model_name}`.",
+            param="model",
+            code="model_not_found",
+        )
+
+
+def _flag(body: dict, field: str, default: bool) -> bool:
+    value = body.get(field, default)
+    if not isinstance(value, bool):
+        raise ApiError(400, f"invalid value for {field}: expected true or false, got {value!r}", param=field)
+    return value
+
+
+def _chat_tokens(state: ServerState, body: dict) -> list[int]:
+    """The chat route's encoding of `messages` (deepseek-recipe), with or without the answer prompt."""
+    chat = {k: v for k, v in body.items() if k not in _TOKENIZE_ONLY}
+    chat["model"] = state.served_model_name
+    try:
+        conversation = dr.ChatCompletionRequest(chat).convert(state.options).conversation
+        ids = list(state.encoding.encode(conversation))
+    except dr.ConversionError as err:
+        raise from_conversion_error(err) from None
+    except (ValueError, TypeError, OverflowError, RecursionError) as err:
+        raise ApiError(400, f"invalid request body: {err}") from None
+    if _flag(body, "add_generation_prompt", True):
+        return ids
+    answer_start = state.recipe_tokenizer.encode(_ANSWER_START)
+    thinking = {t for spelling in _THINKING for t in state.recipe_tokenizer.encode(spelling)}
+    if len(answer_start) == 1 and answer_start[0] in ids:
+        cut = len(ids) - 1 - ids[::-1].index(answer_start[0])
+        if all(t in thinking for t in ids[cut + 1 :]):
+            return ids[:cut]
+    return ids
+
+
+def _prompt_tokens(state: ServerState, prompt) -> list[int]:
+    if not isinstance(prompt, str):
+        raise ApiError(400, "invalid value for prompt: expected a string", param="prompt")
+    return state.tokenizer.encode(prompt)
+
+
+def _token_strs(state: ServerState, tokens: list[int]) -> list[str]:
+    """Each token's vocabulary entry (vLLM's convert_ids_to_tokens)."""
+    to_token = getattr(state.tokenizer, "convert_ids_to_tokens", None)
+    if to_token is not None:
+        return list(to_token(tokens))
+    vocabulary = state.tokenizer._tokenizer  # until Tokenizer has convert_ids_to_tokens
+    return [vocabulary.id_to_token(t) or "" for t in tokens]
+
+
+async def run_tokenize(state: ServerState, body: dict):
+    _check_model(state, body)
+    if ("messages" in body) == ("prompt" in body):
+        raise ApiError(400, "give either prompt (text) or messages (a conversation), not both and not neither")
+    tokens = _chat_tokens(state, body) if "messages" in body else _prompt_tokens(state, body["prompt"])
+    answer = {"count": len(tokens), "max_model_len": state.max_model_len, "tokens": tokens, "token_strs": None}
+    if _flag(body, "return_token_strs", False):
+        answer["token_strs"] = _token_strs(state, tokens)
+    return "json", json.dumps(answer)
+
+
+async def run_detokenize(state: ServerState, body: dict):
+    _check_model(state, body)
+    tokens = body.get("tokens")
+    if not isinstance(tokens, list) or any(isinstance(t, bool) or not isinstance(t, int) for t in tokens):
+        raise ApiError(400, "invalid value for tokens: expected a list of token ids (integers)", param="tokens")
+    vocab = state.tokenizer.vocab_size
+    if bad := [t for t in tokens if not 0 <= t < vocab]:
+        raise ApiError(400, f"token id {bad[0]} is outside the vocabulary (0..{vocab - 1})", param="tokens")
+    text = state.tokenizer.decode(tokens, skip_special_tokens=False)  # vLLM keeps them
+    return "json", json.dumps({"prompt": text})
