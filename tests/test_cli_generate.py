@@ -42,3 +42,43 @@ def test_batch_invariant_mode_needs_a_backend_that_offers_it(run_cli):
     served = run_cli([*args, "--accelerator", "rowwise_cpu"])
     assert served.returncode == 0, served.stderr
     assert "3 tokens" in served.stderr
+
+
+def test_model_positional_config_file_and_dtype_aliases(run_cli, tiny_checkpoint, tmp_path):
+    args = ["--prompt-token-ids", "5,6,7", "--max-tokens", "4", "--temperature", "0", "--accelerator", "cpu"]
+    positional = run_cli(["generate", str(tiny_checkpoint), *args, "--dtype", "auto"])
+    assert positional.returncode == 0, positional.stderr
+    assert "4 tokens" in positional.stderr and len(positional.stdout.split()) == 4
+    config = tmp_path / "generate.yaml"  # vLLM's config file: long flag names, dashes or underscores
+    config.write_text(
+        f"model: {tiny_checkpoint}\nprompt_token_ids: '5,6,7'\nmax-tokens: 4\ntemperature: 0\n"
+        "accelerator: cpu\ndtype: float\n"
+    )
+    from_file = run_cli(["generate", "--config", str(config)])
+    assert from_file.returncode == 0, from_file.stderr
+    assert from_file.stdout == positional.stdout  # dtype auto is float32 for this float32 checkpoint on cpu
+    overridden = run_cli(["generate", "--config", str(config), "--max_tokens", "2", "--dtype", "float32"])
+    assert overridden.returncode == 0, overridden.stderr
+    assert "2 tokens" in overridden.stderr and overridden.stdout.split() == positional.stdout.split()[:2]
+
+
+def test_log_level_from_the_environment_and_the_flag(run_cli):
+    args = ["generate", "--prompt", "Hi", "--max-tokens", "2", "--accelerator", "cpu"]
+    quieter = run_cli(args, env={"DEEPINFER_LOGGING_LEVEL": "warning"})
+    assert quieter.returncode == 0, quieter.stderr
+    assert "RANDOM weights" in quieter.stderr  # a warning
+    assert "finish reason" not in quieter.stderr and "backend cpu" not in quieter.stderr  # info lines
+    quietest = run_cli([*args, "--log-level", "error"], env={"DEEPINFER_LOGGING_LEVEL": "info"})  # the flag wins
+    assert quietest.returncode == 0 and quietest.stderr == "", quietest.stderr
+    assert len(quietest.stdout.strip()) > 0
+
+
+def test_a_bad_logging_level_in_the_environment_is_named(capsys, monkeypatch):
+    from deepinfer_core.cli import main
+
+    monkeypatch.setenv("DEEPINFER_LOGGING_LEVEL", "loud")
+    assert main(["generate", "--prompt", "Hi"]) == 2
+    assert capsys.readouterr().err == (
+        "deepinfer: error: $DEEPINFER_LOGGING_LEVEL='loud' is not a log level; set it to one of "
+        "debug, info, warning, error, critical\n"
+    )

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 
-from deepinfer_core.backend.selection import ENV_VAR
+from deepinfer_core.cli.flags import HelpFormatter, add_common_flags, add_model_flags
 from deepinfer_core.sampling.params import SamplingParams
 
 __all__ = ["add_parser"]
+
+log = logging.getLogger("deepinfer.generate")
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
@@ -29,23 +32,23 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     )
     llm = LLM(
         model=args.model,
+        tokenizer=args.tokenizer,
+        revision=args.revision,
+        download_dir=args.download_dir,
         accelerator=args.accelerator,
         dtype=args.dtype,
         max_model_len=args.max_model_len,
         batch_invariant=args.batch_invariant,
         progress=sys.stderr.isatty(),
     )
-    print(
-        f"deepinfer: backend {llm.backend.info.name} on {llm.backend.device.name}, model {llm.model_name}",
-        file=sys.stderr,
-    )
+    log.info("backend %s on %s, model %s", llm.backend.info.name, llm.backend.device.name, llm.model_name)
     output = None
     for output in llm.stream(args.prompt if args.prompt is not None else _token_ids(args.prompt_token_ids), params):
         sys.stdout.write(output.new_text if llm.tokenizer is not None else f"{output.new_token_ids[0]} ")
         sys.stdout.flush()
     completion = output.outputs[0]
     sys.stdout.write("\n")
-    print(f"deepinfer: {len(completion.token_ids)} tokens, finish reason {completion.finish_reason}", file=sys.stderr)
+    log.info("%d tokens, finish reason %s", len(completion.token_ids), completion.finish_reason)
     return 0
 
 
@@ -57,26 +60,42 @@ def _token_ids(text: str) -> list[int]:
 
 
 def add_parser(commands) -> None:
-    p = commands.add_parser("generate", help="generate a completion for one prompt, streamed to the terminal")
-    p.add_argument("--model", default=None, help="Hugging Face checkpoint folder (default: the embedded demo model)")
-    prompt = p.add_mutually_exclusive_group(required=True)
-    prompt.add_argument("--prompt", help="the prompt text")
-    prompt.add_argument(
-        "--prompt-token-ids", help="the prompt as comma-separated token ids (for models without a tokenizer)"
+    p = commands.add_parser(
+        "generate",
+        help="generate a completion for one prompt, streamed to the terminal",
+        description="Generate a completion for one prompt, streamed to stdout (statistics go to stderr).\n"
+        "With no MODEL, the embedded demo model (random weights).",
+        epilog="""examples:
+  deepinfer generate deepseek-ai/DeepSeek-V3 --prompt "The capital of France is" --temperature 0
+  deepinfer generate --prompt "Hello" --seed 7 --stop "###" --stop $'\\n'   # bash: $'\\n' is a newline""",
+        formatter_class=HelpFormatter,
     )
-    p.add_argument("--accelerator", default=None, help=f"backend name, alias or 'auto' (default: ${ENV_VAR} or auto)")
-    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
-    p.add_argument("--max-model-len", type=int, default=None, help="context limit (default: the model's)")
-    p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--temperature", type=float, default=1.0, help="0 for greedy")
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--min-p", type=float, default=0.0)
-    p.add_argument("--repetition-penalty", type=float, default=1.0)
-    p.add_argument("--presence-penalty", type=float, default=0.0)
-    p.add_argument("--frequency-penalty", type=float, default=0.0)
-    p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    p.add_argument("--ignore-eos", action="store_true")
-    p.add_argument("--batch-invariant", action="store_true", help="run the backend's batch-invariant mode")
+    add_model_flags(p)
+    prompt = p.add_argument_group("prompt (one of)").add_mutually_exclusive_group(required=True)
+    prompt.add_argument("--prompt", help="the prompt text (default: none)")
+    prompt.add_argument(
+        "--prompt-token-ids",
+        help="the prompt as comma-separated token ids, for models without a tokenizer (default: none)",
+    )
+    sampling = p.add_argument_group("sampling")
+    sampling.add_argument("--max-tokens", metavar="N", type=int, default=64, help="tokens to generate at most")
+    sampling.add_argument("--temperature", type=float, default=1.0, help="0 for greedy")
+    sampling.add_argument("--top-k", type=int, default=0, help="0: all tokens")
+    sampling.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
+    sampling.add_argument("--min-p", type=float, default=0.0, help="drop tokens below this fraction of the top one")
+    sampling.add_argument("--repetition-penalty", type=float, default=1.0, help="1: none")
+    sampling.add_argument("--presence-penalty", type=float, default=0.0, help="0: none")
+    sampling.add_argument("--frequency-penalty", type=float, default=0.0, help="0: none")
+    sampling.add_argument("--seed", type=int, default=None, help="this request's sampling seed (default: not seeded)")
+    sampling.add_argument(
+        "--stop",
+        action="append",
+        default=[],
+        help="stop string, repeatable: --stop '###' --stop $'\\n' (default: none)",
+    )
+    sampling.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-sequence token")
+    p.add_argument_group("engine").add_argument(
+        "--batch-invariant", action="store_true", help="run the backend's batch-invariant mode"
+    )
+    add_common_flags(p)
     p.set_defaults(run=_cmd_generate)

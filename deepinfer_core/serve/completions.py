@@ -27,8 +27,6 @@ __all__ = ["run_completions"]
 
 ROUTE = "completions"
 DEFAULT_MAX_TOKENS = 16  # OpenAI's and vLLM's default for this route
-# refused here until fields.REFUSED["completions"] lists it
-_ALSO_REFUSED = {"suffix": "suffix (insertion) is not supported; put all the text in prompt"}
 
 
 @dataclass(frozen=True)
@@ -106,9 +104,6 @@ def parse(state: ServerState, body: dict) -> CompletionRequest:
             code="model_not_found",
         )
     fields.refuse_unsupported(body, ROUTE)
-    for field, advice in _ALSO_REFUSED.items():
-        if body.get(field):
-            raise ApiError(400, f"unsupported parameter {field}: {advice}", param=field)
     fields.check_sampling_fields(body, ROUTE)
     prompts = _prompts(state, body.get("prompt"))
     echo, stream = _flag(body, "echo"), _flag(body, "stream")
