@@ -28,6 +28,7 @@ from deepinfer_core.engine.pending import HostPromptLogprobs, LaunchedStep
 from deepinfer_core.engine.request import Delta, Logprob, Request, RequestGroup, RequestOutput
 from deepinfer_core.engine.runner import ModelRunner
 from deepinfer_core.engine.scheduler import Scheduler, SchedulerConfig
+from deepinfer_core.engine.stops import find_stop, held_back
 from deepinfer_core.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from deepinfer_core.errors import DeepInferError
 from deepinfer_core.kv.caches import block_bytes, sequence_bytes
@@ -323,14 +324,13 @@ class Engine:
                 reason, stop = "stop", token
             elif token in self.eos_token_ids and not params.ignore_eos:
                 reason = "stop"
-        streamed = len(request.text)  # text reported before this token
         if reason is None:
             delta = self._detokenize(request)
-            streamed = len(request.text) - len(delta)
+            streamed = len(request.text) - len(delta)  # text before this token's
             if (
                 params.stop
                 and num_output > params.min_tokens
-                and (hit := _find_stop(request.text, params.stop, streamed))
+                and (hit := find_stop(request.text, params.stop, streamed))
             ):
                 request.text = request.text[: hit[0]]
                 reason, stop = "stop", hit[1]
@@ -339,7 +339,10 @@ class Engine:
         if reason is not None:
             request.finish_reason, request.stop_reason = reason, stop
             self.scheduler.finish(request)
-        return request.text[streamed:]
+        # never report text that a later token may still turn into a stop string (it is cut then)
+        end = len(request.text) if request.finished else len(request.text) - held_back(request.text, params.stop)
+        delta, request.num_reported_chars = request.text[request.num_reported_chars : end], end
+        return delta
 
     def _detokenize(self, request: Request) -> str:
         detokenizer = self._detokenizers.get(request)
@@ -373,9 +376,3 @@ class Engine:
                 observer.on_step(stats)
             except Exception:
                 log.exception("observer %r failed on a step", observer)
-
-
-def _find_stop(text: str, stops: Sequence[str], new_from: int) -> tuple[int, str] | None:
-    """The earliest stop string in text that ends after `new_from` (in the new text), as (index, stop string)."""
-    hits = [(i, s) for s in stops if (i := text.find(s, max(0, new_from - len(s) + 1))) >= 0]
-    return min(hits) if hits else None

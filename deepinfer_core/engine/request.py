@@ -55,6 +55,7 @@ class Request:
     num_pending_tokens: int = 0  # sampled by steps still in flight: counted, but not yet known on the host
     max_num_tokens: int = 1 << 62  # the most tokens the sequence may reach (prompt + max_tokens, capped by the context)
     text: str = ""
+    num_reported_chars: int = 0  # of text, reported so far (a possible stop string's start is held back)
     finish_reason: str | None = None  # "stop", "length", "abort"
     stop_reason: str | int | None = None  # the stop string or stop token that ended it
     index: int = 0  # which of its request's samples this sequence is

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from deepinfer_core.engine.request import CompletionOutput, Logprob, RequestOutput
+from deepinfer_core.engine.stops import held_back
 from deepinfer_core.sampling.params import SamplingParams
 
 if TYPE_CHECKING:
@@ -24,18 +25,6 @@ _FLOOR = -9999.0  # vLLM's floor for -inf logprobs (JSON has no infinity)
 class Prompt:
     token_ids: list[int]
     text: str | None  # as sent; None for token ids (decoded when echoed)
-
-
-def held_back(text: str, stops: Sequence[str]) -> int:
-    """How many characters at the end of `text` may still become the start of a stop string: the longest
-    suffix of text that is a proper prefix of some stop string. Streaming sends only what is before it."""
-    longest = 0
-    for stop in stops:
-        for size in range(min(len(stop) - 1, len(text)), longest, -1):
-            if text.endswith(stop[:size]):
-                longest = size
-                break
-    return longest
 
 
 def _logprobs_json(

@@ -152,3 +152,15 @@ def test_a_sampled_token_outside_the_top_logprobs_has_a_rank(tiny):
         if token != best:
             assert entry[token].rank > 1 and entry[token].logprob < best_logprob
     assert max(ranks) > 1  # at temperature 5 some sampled tokens are not the most likely
+
+
+# ---- streamed text and stop strings ---------------------------------------------------------------
+
+
+def test_streamed_text_never_holds_the_start_of_a_stop_string(demo):
+    free = generate(demo, "The cat", greedy(max_tokens=5)).outputs[0]
+    pieces = [demo.tokenizer.decode([t]) for t in free.token_ids]
+    stop = pieces[1] + pieces[2]  # two tokens' text: after the first, the text ends with the stop's start
+    streamed = [o.new_text for o in demo.stream("The cat", greedy(max_tokens=5, stop=(stop,)))]
+    assert "".join(streamed) == pieces[0]  # what was streamed is exactly the final text: nothing to take back
+    assert all(pieces[1] not in delta for delta in streamed)

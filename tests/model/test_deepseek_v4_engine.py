@@ -100,7 +100,8 @@ def test_prefix_hit_replays_a_bounded_window_and_matches_a_plain_run(hf_v4_check
     _assert_same(output.outputs[0], plain.outputs[0])
     got = output.outputs[0]  # and transformers agrees
     hf = _hf_logprobs(ckpt.hf_model, _prefix_pair()[1], got.token_ids)
-    torch.testing.assert_close(torch.tensor(got.token_logprobs), hf.gather(1, torch.tensor(got.token_ids)[:, None])[:, 0])
+    chosen = hf.gather(1, torch.tensor(got.token_ids)[:, None])[:, 0]
+    torch.testing.assert_close(torch.tensor(got.token_logprobs), chosen)
 
 
 @pytest.mark.parametrize("short_by", [None, 7])
