@@ -1,8 +1,9 @@
 """DeepInfer's conformance suite: a pytest plugin that checks a backend against the reference backend.
 
-Enable it in a backend's repository with one line in conftest.py:
-    pytest_plugins = ["deepinfer_conformance.plugin"]
-then run `pytest --deepinfer-backend=NAME` (or `deepinfer conformance --backend NAME --report FILE`).
+Installing deepinfer registers the plugin with pytest (a `pytest11` entry point; it stays inert until
+`--deepinfer-backend` is given), so in any repository `pytest --deepinfer-backend=NAME` runs the suite
+(with plugin autoloading off: `-p deepinfer_conformance.plugin`), as does
+`deepinfer conformance --backend NAME --report FILE`.
 The JSON report follows REPORT_SCHEMA (generated from deepinfer_conformance.report.ConformanceReport).
 """
 

@@ -1,5 +1,6 @@
 """The backend contract, discovery and selection: everything a backend author imports is here."""
 
+from deepinfer_core.backend._steps import CostModel, GraphCapture, LinearCostModel
 from deepinfer_core.backend.extensions import LogitsProcessor, ModelRegistry, Observer, RequestEvent, StepStats
 from deepinfer_core.backend.hookspecs import API_VERSION, REQUIRED_BACKEND_HOOKS, BackendSpec, PluginSpec, hookimpl
 from deepinfer_core.backend.ops import (
@@ -26,7 +27,10 @@ __all__ = [
     "BackendSpec",
     "BlockFP8",
     "Capabilities",
+    "CostModel",
     "DeviceFacts",
+    "GraphCapture",
+    "LinearCostModel",
     "LogitsProcessor",
     "ModelRegistry",
     "Observer",

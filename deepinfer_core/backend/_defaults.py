@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
+from deepinfer_core.backend._steps import LinearCostModel
 from deepinfer_core.backend.hookspecs import hookimpl
 from deepinfer_core.backend.types import DeviceFacts
-from deepinfer_core.engine.cost import LinearCostModel
 from deepinfer_core.parallel.communicator import AllToAllCommunicator, InProcessCommunicator
 from deepinfer_core.sampling.sampler import TorchSampler
 

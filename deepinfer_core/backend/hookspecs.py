@@ -16,11 +16,10 @@ from __future__ import annotations
 import pluggy
 import torch
 
+from deepinfer_core.backend._steps import CostModel, GraphCapture
 from deepinfer_core.backend.extensions import LogitsProcessor, ModelRegistry, Observer
 from deepinfer_core.backend.ops import AttentionOps, Ops
 from deepinfer_core.backend.types import BackendInfo, Capabilities, DeviceFacts, ProbeResult
-from deepinfer_core.engine.cost import CostModel
-from deepinfer_core.engine.graphs import GraphCapture
 from deepinfer_core.kv.layout import KVLayout
 from deepinfer_core.parallel.communicator import ExpertCommunicator
 from deepinfer_core.sampling.sampler import Sampler

@@ -10,11 +10,10 @@ from dataclasses import dataclass
 
 import torch
 
+from deepinfer_core.backend._steps import CostModel, GraphCapture
 from deepinfer_core.backend.ops import AttentionOps, Ops
 from deepinfer_core.backend.registry import BackendEntry
 from deepinfer_core.backend.types import BackendInfo, Capabilities, DeviceFacts
-from deepinfer_core.engine.cost import CostModel
-from deepinfer_core.engine.graphs import GraphCapture
 from deepinfer_core.errors import BackendContractError, BackendSelectionError
 from deepinfer_core.kv.layout import KVLayout
 from deepinfer_core.parallel.communicator import ExpertCommunicator

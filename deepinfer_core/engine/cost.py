@@ -1,34 +1,12 @@
-"""The step cost model: how a backend tells the scheduler what a step costs, and chunk sizing from it."""
+"""Chunk sizing from a backend's step cost model (`CostModel` is the contract's: deepinfer_core.backend)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from deepinfer_core.backend import CostModel, LinearCostModel  # the contract's; re-exported here
 
 __all__ = ["CostModel", "LinearCostModel", "largest_chunk", "MAX_PREFILL_CHUNK"]
 
 MAX_PREFILL_CHUNK = 32_768  # the production system caps one prefill chunk at 32,768 tokens
-
-
-@runtime_checkable
-class CostModel(Protocol):
-    def cost(self, q_tokens: int, ctx_tokens: int) -> float:
-        """Estimated seconds for a step that processes `q_tokens` new tokens of a sequence that will
-        then hold `ctx_tokens` tokens (so attention reads ctx_tokens per query). Must not decrease
-        as q_tokens grows."""
-        ...
-
-
-@dataclass(frozen=True, slots=True)
-class LinearCostModel:
-    """cost = fixed + per_token * q + per_attended * q * ctx: launch overhead, weights, attention."""
-
-    fixed_s: float = 2e-3
-    per_token_s: float = 5e-5
-    per_attended_s: float = 1e-9
-
-    def cost(self, q_tokens: int, ctx_tokens: int) -> float:
-        return self.fixed_s + self.per_token_s * q_tokens + self.per_attended_s * q_tokens * ctx_tokens
 
 
 def largest_chunk(

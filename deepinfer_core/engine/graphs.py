@@ -1,4 +1,4 @@
-"""Decode steps replayed from device graphs: the capture contract and the static inputs behind it.
+"""Decode steps replayed from device graphs: the static inputs behind a backend's GraphCapture.
 
 A decode step (one new token for each of B sequences) has the same shapes every time for a given B,
 so a backend that can capture device graphs runs it as one replay instead of hundreds of launches.
@@ -11,26 +11,13 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Callable, Sequence
-from typing import Protocol, runtime_checkable
 
 import torch
 
+from deepinfer_core.backend import GraphCapture  # the contract's; re-exported here
 from deepinfer_core.backend.ops import AttentionMetadata
 
 __all__ = ["DecodeGraphs", "GraphCapture", "capture_sizes"]
-
-
-@runtime_checkable
-class GraphCapture(Protocol):
-    """A backend's device-graph capturer (hook `deepinfer_backend_graph_capture`)."""
-
-    def capture(self, step: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
-        """Warm `step` up, capture its device work into a graph and return `replay`, which re-runs that
-        work and returns the tensor `step` returned while captured (the same storage every replay).
-
-        `step` reads only tensors that outlive the capture and must not read device values on the host.
-        """
-        ...
 
 
 def capture_sizes(max_batch: int) -> list[int]:

@@ -1,4 +1,4 @@
-"""rowwise_cpu's step cost model (deepinfer_core.engine.cost.CostModel); imports nothing but the standard library.
+"""rowwise_cpu's step cost model (deepinfer_core.backend.CostModel); imports nothing but the standard library.
 
 Every op loops over token rows in Python and attention visits every cached block once per query row, so
 a step costs a fixed part plus a large per-row part plus a per-(query, attended token) part.
