@@ -1,4 +1,8 @@
-"""A row's GEMM and expert-FFN result is bitwise the same whatever other rows share the call, and the check can fail."""
+"""A row's GEMM and expert-FFN result is bitwise the same whatever other rows share the call, and the check can fail.
+
+Every test here runs with the interpreter's tl.dot summed in one fixed order (conftest.fixed_order_dot): numpy's
+BLAS may round a row by its place in the tile, and these tests are about the kernel's tiling, not the CPU's BLAS.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +12,8 @@ import torch.nn.functional as F
 
 from deepinfer_nvidia_sm100.kernels import gemm, moe
 from deepinfer_nvidia_sm100.ops import NvidiaOps
+
+pytestmark = pytest.mark.usefixtures("fixed_order_dot")
 
 DTYPES = [torch.float32, torch.bfloat16]
 ROWS = 40
@@ -31,6 +37,8 @@ GEMM_SHAPES = {"split_k": (32, 256, "many"), "one_split": (40, 48, "one")}
 @pytest.mark.parametrize("shape", GEMM_SHAPES.values(), ids=GEMM_SHAPES.keys())
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_matmul_rows_bitwise_equal_for_any_batch_size(dtype, shape, with_bias):
+    """A row sits at another place of another tile for each batch size; with the dot's per-element order fixed,
+    only the kernel's own K order (tile size, splits, split-sum order) can change its bits, and that is checked."""
     n, k, splits = shape
     assert (gemm.split_count(n, k, dtype) > 1) == (splits == "many")  # the split path really runs
     x, w = randn(ROWS, k, dtype=dtype, seed=1), randn(n, k, dtype=dtype, seed=2)
@@ -76,6 +84,12 @@ def test_expert_rows_bitwise_equal_when_other_experts_rows_change(dtype):
 
 
 # ----------------------------------------------------------------------------- negative controls
+
+
+def test_fixed_order_dot_computes_the_product():
+    """The dot the bitwise tests run with is a float32 GEMM, not something whose bits agree trivially."""
+    x, w = randn(5, 256, dtype=torch.float32, seed=14), randn(32, 256, dtype=torch.float32, seed=15)
+    torch.testing.assert_close(gemm.matmul(x, w), F.linear(x, w), rtol=1.3e-6, atol=1e-5 * 256**0.5)
 
 
 def test_bitwise_check_detects_a_different_k_summation_order():
