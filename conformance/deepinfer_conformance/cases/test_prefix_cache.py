@@ -18,6 +18,18 @@ MAX_POSITIONS = 1024
 # shape, which may round some logits differently by a bfloat16 ulp or two (~0.03 nats each at |logit| ~4,
 # ~0.07 seen on the reference when the batch shape changes); a wrong or stale cache block costs > 1 nat.
 MAX_LOGPROB_DIFF_BF16 = 0.25
+# float32 without batch invariance: a different chunk shape moves a logit by a few ulps at most
+NEAR_TIE_FP32 = 1e-4
+
+
+def decided_prefix(cold, margin: float) -> int:
+    """How many of the cold run's tokens won by more than `margin` nats over the runner-up (counted up to the
+    first near-tie): a run whose logits move by less than `margin` must choose exactly these."""
+    for position, top in enumerate(cold.top_logprobs):
+        best, second = sorted(top.values(), reverse=True)[:2]
+        if best - second <= margin:
+            return position
+    return len(cold.top_logprobs)
 
 
 def engine(path, backend, prefix_caching: bool) -> LLM:
@@ -56,7 +68,11 @@ def test_prefix_cache_hit_matches_cold_run(suite, check, tiny_v3, dtype):
         f"only {hit.num_cached_tokens} cached tokens; {SHARED_BLOCKS} full blocks of {block} are shared"
     )
     h, c = hit.outputs[0], cold.outputs[0]
-    assert h.token_ids == c.token_ids, (
+    # without batch invariance, a greedy near-tie may go either way (the CPU's GEMM blocking decides): the
+    # tokens must agree up to the first one, and the logprobs are compared up to it, on equal contexts
+    margin = 0 if invariant else MAX_LOGPROB_DIFF_BF16 if dtype == torch.bfloat16 else NEAR_TIE_FP32
+    decided = len(c.token_ids) if invariant else decided_prefix(c, 2 * margin)
+    assert h.token_ids[:decided] == c.token_ids[:decided], (
         f"tokens after a prefix-cache hit differ from a cold run: {list(h.token_ids)} vs {list(c.token_ids)}"
     )
     if invariant:  # the cache hit must not change a single bit
@@ -72,8 +88,9 @@ def test_prefix_cache_hit_matches_cold_run(suite, check, tiny_v3, dtype):
         )
         check.equal(torch.tensor(h.token_logprobs), torch.tensor(c.token_logprobs), what="chosen-token logprobs")
     else:
-        actual = [ht.get(t, float("nan")) for ht, ct in zip(h.top_logprobs, c.top_logprobs) for t in list(ct)[:TOP]]
-        expected = [v for ct in c.top_logprobs for v in list(ct.values())[:TOP]]
+        compared = list(zip(h.top_logprobs, c.top_logprobs))[: decided + 1]  # the near-tie's own logprobs too
+        actual = [ht.get(t, float("nan")) for ht, ct in compared for t in list(ct)[:TOP]]
+        expected = [v for _, ct in compared for v in list(ct.values())[:TOP]]
         if dtype == torch.float32:
             check.close(torch.tensor(actual), torch.tensor(expected), dtype, reduce_dim=VOCAB, what="top logprobs")
         else:  # a different chunk shape may round a bfloat16 logit differently: bound the error in nats
