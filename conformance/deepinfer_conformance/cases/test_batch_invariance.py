@@ -19,7 +19,7 @@ import torch
 from deepinfer_core.engine.llm import LLM
 from deepinfer_core.sampling.params import SamplingParams
 
-VOCAB = 512  # the tiny checkpoint's (conftest.TINY_V3)
+VOCAB = 512  # the tiny checkpoint's (tiny_v3.TINY_V3)
 TARGET_LENGTH = 60  # prefilled whole, as 32 + 28, or in 8-token chunks by the budgets below
 NEW_TOKENS = 10
 WHOLE, MEDIUM, SMALL = 4096, 32, 8  # max_num_batched_tokens

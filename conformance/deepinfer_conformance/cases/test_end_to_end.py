@@ -12,7 +12,7 @@ from deepinfer_core.sampling.params import SamplingParams
 PROMPT_LENGTHS = (3, 17, 40, 77)
 NEW_TOKENS = 24
 TOP = 5  # logprobs compared at each position: those of the reference's top-5 tokens
-VOCAB = 512  # the tiny checkpoint's (conftest.TINY_V3)
+VOCAB = 512  # the tiny checkpoint's (tiny_v3.TINY_V3)
 
 # bfloat16 thresholds. On the tiny checkpoint the reference in bfloat16, teacher-forced against itself in
 # float32 (a stand-in for "another correct bfloat16 implementation"), agrees on ~98% of top-1 tokens, with

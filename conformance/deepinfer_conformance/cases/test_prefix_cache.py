@@ -12,7 +12,7 @@ from deepinfer_core.sampling.params import SamplingParams
 SHARED_BLOCKS = 3  # full KV blocks of prefix the two prompts share
 NEW_TOKENS = 16
 TOP = 5  # logprobs compared per position when not bitwise: those of the cold run's top-5 tokens
-VOCAB = 512  # the tiny checkpoint's (conftest.TINY_V3)
+VOCAB = 512  # the tiny checkpoint's (tiny_v3.TINY_V3)
 MAX_POSITIONS = 1024
 # bfloat16, backends that do not claim batch invariance: a cache hit computes the suffix in another chunk
 # shape, which may round some logits differently by a bfloat16 ulp or two (~0.03 nats each at |logit| ~4,
