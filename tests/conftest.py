@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import shutil
 import subprocess
@@ -131,3 +132,36 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+# ---- tiny DeepSeek checkpoints built with transformers (parity tests) -------------------------------
+
+_HELPER = "deepinfer_tests_hf_checkpoints"
+
+
+def _helper(name: str = _HELPER, file: str = "hf_checkpoints.py"):
+    """A helper file of tests/model as one module per process."""
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, Path(__file__).parent / "model" / file)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+@pytest.fixture(scope="session")
+def hf_checkpoint(tmp_path_factory):
+    """hf_checkpoint("a" | "b") -> Checkpoint(variant, path, hf_model): saved with save_pretrained, built once."""
+    pytest.importorskip("transformers")
+    helper = _helper()
+    root = tmp_path_factory.mktemp("hf-deepseek-v3")
+    return lambda variant: helper.build_checkpoint(variant, root)
+
+
+@pytest.fixture(scope="session")
+def hf_v4_checkpoint(tmp_path_factory):
+    """hf_v4_checkpoint("a" | "b") -> Checkpoint(variant, path, hf_model) of a tiny DeepSeek-V4."""
+    pytest.importorskip("transformers")
+    helper = _helper("deepinfer_tests_hf_v4_checkpoints", "hf_v4_checkpoints.py")
+    root = tmp_path_factory.mktemp("hf-deepseek-v4")
+    return lambda variant: helper.build_v4_checkpoint(variant, root)

@@ -4,10 +4,6 @@ request that asks for them, one prompt computation for several samples."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -20,23 +16,11 @@ pytest.importorskip("transformers")
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny tensors: see tests/conftest.py
 
 BLOCK, VOCAB, K = 16, 256, 3
-_HELPER = "deepinfer_tests_hf_checkpoints"
-
-
-def _helper():
-    """tests/model/hf_checkpoints.py, the same module object tests/model/conftest.py loads."""
-    if _HELPER not in sys.modules:
-        path = Path(__file__).parents[1] / "model" / "hf_checkpoints.py"
-        spec = importlib.util.spec_from_file_location(_HELPER, path)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[_HELPER] = module
-        spec.loader.exec_module(module)
-    return sys.modules[_HELPER]
 
 
 @pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    return _helper().build_checkpoint("b", tmp_path_factory.mktemp("hf-deepseek-v3"))
+def ckpt(hf_checkpoint):
+    return hf_checkpoint("b")
 
 
 @pytest.fixture(scope="module")
