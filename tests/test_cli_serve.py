@@ -129,7 +129,13 @@ def test_config_file_flags_override_listening_and_the_generation_default(tmp_pat
         assert before.index("Application startup complete") < before.index("listening on")
         server.wait_for(r'"GET /health HTTP/1\.1" 200')  # uvicorn's access log, on at --uvicorn-log-level info
 
-        client = openai.OpenAI(base_url=url[1] + "/v1", api_key="unused", max_retries=0, timeout=60)
+        client = openai.OpenAI(
+            base_url=url[1] + "/v1",
+            api_key="unused",
+            max_retries=0,
+            default_headers={"Connection": "close"},
+            timeout=60,
+        )
         [model] = client.models.list().data
         assert model.id == "from-config" and model.model_extra["max_model_len"] == 1024  # the flag won
         reply = client.chat.completions.create(

@@ -169,7 +169,13 @@ def busy_server(start_server) -> Server:
 def openai_client(server):
     import openai
 
-    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+    client = openai.OpenAI(
+        base_url=server.url + "/v1",
+        api_key="unused",
+        max_retries=0,
+        default_headers={"Connection": "close"},
+        timeout=60,
+    )
     yield client
     client.close()
 
@@ -178,7 +184,9 @@ def openai_client(server):
 def anthropic_client(server):
     import anthropic
 
-    client = anthropic.Anthropic(base_url=server.url, api_key="unused", max_retries=0, timeout=60)
+    client = anthropic.Anthropic(
+        base_url=server.url, api_key="unused", max_retries=0, default_headers={"Connection": "close"}, timeout=60
+    )
     yield client
     client.close()
 

@@ -63,7 +63,13 @@ def test_openai_routes_take_bearer_only(raw):
 
 
 def test_right_key_works_with_the_openai_client(auth_server):
-    client = openai.OpenAI(base_url=auth_server.url + "/v1", api_key=KEY, max_retries=0, timeout=60)
+    client = openai.OpenAI(
+        base_url=auth_server.url + "/v1",
+        api_key=KEY,
+        max_retries=0,
+        default_headers={"Connection": "close"},
+        timeout=60,
+    )
     assert [m.id for m in client.models.list().data] == [MODEL]
     messages = [{"role": "user", "content": "hi"}]
     chat = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=1, temperature=0)
@@ -77,7 +83,13 @@ def test_right_key_works_with_the_openai_client(auth_server):
 
 
 def test_wrong_key_with_the_openai_client(auth_server):
-    client = openai.OpenAI(base_url=auth_server.url + "/v1", api_key="wrong", max_retries=0, timeout=60)
+    client = openai.OpenAI(
+        base_url=auth_server.url + "/v1",
+        api_key="wrong",
+        max_retries=0,
+        default_headers={"Connection": "close"},
+        timeout=60,
+    )
     with pytest.raises(openai.AuthenticationError):
         client.models.list()
     with pytest.raises(openai.AuthenticationError):
@@ -89,7 +101,9 @@ def test_wrong_key_with_the_openai_client(auth_server):
 
 
 def test_right_key_works_with_the_anthropic_client(auth_server):
-    client = anthropic.Anthropic(base_url=auth_server.url, api_key=KEY, max_retries=0, timeout=60)
+    client = anthropic.Anthropic(
+        base_url=auth_server.url, api_key=KEY, max_retries=0, default_headers={"Connection": "close"}, timeout=60
+    )
     greedy = {"temperature": 0}
     m = client.messages.create(
         model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=1, extra_body=greedy
@@ -98,12 +112,16 @@ def test_right_key_works_with_the_anthropic_client(auth_server):
     with client.messages.stream(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2) as s:
         assert s.get_final_message().stop_reason == "max_tokens"
     # a Bearer token (Anthropic's auth_token) is accepted on /v1/messages as well
-    bearer = anthropic.Anthropic(base_url=auth_server.url, auth_token=KEY, max_retries=0, timeout=60)
+    bearer = anthropic.Anthropic(
+        base_url=auth_server.url, auth_token=KEY, max_retries=0, default_headers={"Connection": "close"}, timeout=60
+    )
     assert bearer.messages.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=1).id
 
 
 def test_wrong_key_with_the_anthropic_client(auth_server):
-    client = anthropic.Anthropic(base_url=auth_server.url, api_key="wrong", max_retries=0, timeout=60)
+    client = anthropic.Anthropic(
+        base_url=auth_server.url, api_key="wrong", max_retries=0, default_headers={"Connection": "close"}, timeout=60
+    )
     with pytest.raises(anthropic.AuthenticationError) as err:
         client.messages.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=1)
     assert err.value.body["type"] == "error" and err.value.body["error"]["type"] == "authentication_error"

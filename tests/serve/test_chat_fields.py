@@ -175,7 +175,13 @@ def test_limit_beyond_the_remaining_context_is_400(http, recipe):
 def small_context(start_server):
     """A 48-token context: a request without a limit runs to its end, which is quick to reach."""
     server = start_server("--max-model-len", "48", "--num-kv-blocks", "16")
-    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    client = openai.OpenAI(
+        base_url=server.url + "/v1",
+        api_key="unused",
+        max_retries=0,
+        default_headers={"Connection": "close"},
+        timeout=120,
+    )
     yield client
     client.close()
 

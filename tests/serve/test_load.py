@@ -45,6 +45,7 @@ def test_200_concurrent_streams_complete_and_free_everything(server):
             base_url=server.url + "/v1",
             api_key="unused",
             max_retries=0,
+            default_headers={"Connection": "close"},
             timeout=120,
             http_client=openai.DefaultAsyncHttpxClient(limits=limits),
         )
@@ -201,7 +202,13 @@ def test_burst_beyond_the_waiting_limit_gets_503_with_retry_after(busy_server, p
 
 
 def test_503_through_the_openai_client_and_recovery(busy_server):
-    client = openai.AsyncOpenAI(base_url=busy_server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+    client = openai.AsyncOpenAI(
+        base_url=busy_server.url + "/v1",
+        api_key="unused",
+        max_retries=0,
+        default_headers={"Connection": "close"},
+        timeout=60,
+    )
 
     async def one():
         try:
@@ -225,7 +232,13 @@ def test_503_through_the_openai_client_and_recovery(busy_server):
     assert busy_server.wait_idle() == (0, 0, 0)
     # after Retry-After, the refused requests go through
     time.sleep(1)
-    retry = openai.OpenAI(base_url=busy_server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+    retry = openai.OpenAI(
+        base_url=busy_server.url + "/v1",
+        api_key="unused",
+        max_retries=0,
+        default_headers={"Connection": "close"},
+        timeout=60,
+    )
     for _ in refused[:2]:
         r = retry.chat.completions.create(
             model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2, temperature=0
