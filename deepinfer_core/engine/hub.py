@@ -133,7 +133,7 @@ def _download(
         ) from None
     except errors.RevisionNotFoundError:
         raise HubError(f"{what} {repo_id} has no revision {revision!r} on the Hugging Face Hub") from None
-    except errors.IncompleteSnapshotError as err:
+    except getattr(errors, "IncompleteSnapshotError", ()) as err:  # huggingface_hub >= 2.0
         raise HubError(
             f"the cached copy of {what} {repo_id}{at} in {where} is incomplete and the Hub cannot be reached "
             f"({err.__class__.__name__}); finish the download with network access: {fetch_hint}"

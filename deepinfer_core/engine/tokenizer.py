@@ -46,9 +46,14 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return self._tokenizer.get_vocab_size(with_added_tokens=True)
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """The text's ids; add_special_tokens puts the checkpoint's BOS first when its config asks for one."""
         ids = self._tokenizer.encode(text, add_special_tokens=False).ids
-        return [self.bos_token_id, *ids] if self.add_bos_token else ids
+        return [self.bos_token_id, *ids] if self.add_bos_token and add_special_tokens else ids
+
+    def convert_ids_to_tokens(self, token_ids: Sequence[int]) -> list[str]:
+        """Each id's vocabulary entry (byte-level spelling, special tokens as written)."""
+        return [self._tokenizer.id_to_token(t) or "" for t in token_ids]
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens)

@@ -47,8 +47,8 @@ class SamplingParams:
         problems = []
         if not self.temperature >= 0:
             problems.append(f"temperature must be >= 0, got {self.temperature}")
-        if self.top_k < -1:
-            problems.append(f"top_k must be -1, 0 (off) or a positive count, got {self.top_k}")
+        if not -1 <= self.top_k < 2**31:
+            problems.append(f"top_k must be -1, 0 (off) or a positive count below 2**31, got {self.top_k}")
         if not 0 < self.top_p <= 1:
             problems.append(f"top_p must be in (0, 1], got {self.top_p}")
         if not 0 <= self.min_p <= 1:

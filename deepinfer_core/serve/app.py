@@ -235,13 +235,18 @@ def build_app(state: ServerState) -> FastAPI:
     async def version():
         return {"version": __version__}
 
+    def status() -> Response:
+        if state.engine.alive:
+            return JSONResponse({"status": "ok"})
+        return JSONResponse({"status": "error", "detail": "the engine loop has stopped; restart the server"}, 503)
+
     @app.get("/health")
     async def health():
-        return {"status": "ok"}
+        return status()
 
     @app.api_route("/ping", methods=["GET", "POST"])
     async def ping():  # SageMaker's health check, as vLLM serves it
-        return {"status": "ok"}
+        return status()
 
     @app.get("/metrics")
     async def metrics():

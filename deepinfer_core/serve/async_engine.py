@@ -56,7 +56,7 @@ class _Flight:
     arrival: float = field(default_factory=time.monotonic)
     last: float | None = None  # when it last reported
     ttft: float | None = None
-    num_generated: int = 0  # tokens of all samples, best_of's discarded ones included
+    num_generated: int = 0  # tokens of the reported samples (best_of's discarded ones are never reported)
     finished: bool = False  # its finish (or abort) is recorded
 
     def report(self, output: RequestOutput, now: float, metrics: ServerMetrics | None) -> None:
@@ -111,8 +111,10 @@ class AsyncEngine:
         self, request_id: str, prompt: Sequence[int], params: SamplingParams
     ) -> AsyncIterator[RequestOutput]:
         """Outputs of one request as they come; leaving early (disconnect, error) aborts the request."""
-        if self.num_in_flight >= self.max_waiting + self.engine.scheduler.config.max_num_seqs:
-            raise Overloaded(f"{self.num_in_flight} requests are in flight; retry shortly")
+        # counted in sequences: a request with n (or best_of) samples runs that many
+        samples, limit = params.num_samples, self.max_waiting + self.engine.scheduler.config.max_num_seqs
+        if self.num_in_flight and self.num_in_flight + samples > limit:
+            raise Overloaded(f"{self.num_in_flight} sequences are in flight; retry shortly")
         queue: asyncio.Queue = asyncio.Queue()
         accepted = asyncio.get_running_loop().create_future()
         record = request_log.current()
@@ -122,7 +124,7 @@ class AsyncEngine:
         self._flights[request_id] = flight
         self._adds.append(_Add(request_id, prompt, params, accepted))
         self._wakeup.set()
-        self.num_in_flight += 1
+        self.num_in_flight += samples
         finished = admitted = False
         try:
             await accepted  # raises the engine's RequestError for a request it refuses
@@ -136,7 +138,7 @@ class AsyncEngine:
                     finished = True
                     return
         finally:
-            self.num_in_flight -= 1
+            self.num_in_flight -= samples
             self._flights.pop(request_id, None)
             if not finished:
                 self._aborts.append(request_id)
@@ -144,14 +146,25 @@ class AsyncEngine:
                 if admitted:
                     flight.finish("abort", time.monotonic(), self.metrics)
 
+    @property
+    def alive(self) -> bool:
+        """False once the engine loop has stopped (then no request can be served: /health says so)."""
+        return self._task is not None and not self._task.done()
+
     def _apply_pending(self) -> None:
         adds, self._adds = self._adds, []
         for add in adds:
+            if add.accepted.done():  # its handler left before admission (cancelled): never add it
+                continue
             try:
                 self.engine.add_request(add.request_id, add.prompt, add.params)
-                add.accepted.set_result(None)
             except DeepInferError as err:
                 add.accepted.set_exception(err)
+            except Exception:  # a bug of ours: fail this request, keep the loop (and every other request)
+                log.exception("adding request %s failed", add.request_id)
+                add.accepted.set_exception(EngineFailure("the engine could not take this request"))
+            else:
+                add.accepted.set_result(None)
         aborts, self._aborts = self._aborts, []
         for request_id in aborts:
             self.engine.abort(request_id)

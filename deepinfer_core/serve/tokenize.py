@@ -12,7 +12,7 @@ import json
 
 import deepseek_recipe as dr
 
-from deepinfer_core.serve.errors import ApiError, from_conversion_error
+from deepinfer_core.serve.errors import ApiError, from_conversion_error, invalid_body
 from deepinfer_core.serve.state import ServerState
 
 __all__ = ["run_detokenize", "run_tokenize"]
@@ -44,6 +44,11 @@ def _flag(body: dict, field: str, default: bool) -> bool:
 
 def _chat_tokens(state: ServerState, body: dict) -> list[int]:
     """The chat route's encoding of `messages` (deepseek-recipe), with or without the answer prompt."""
+    # the encoding places its own special tokens; vLLM's options to add more or to continue the last
+    # message have no DeepSeek encoding here: refused by name rather than ignored
+    for field in ("add_special_tokens", "continue_final_message"):
+        if _flag(body, field, False):
+            raise ApiError(400, f"{field}=true is not supported with messages on this server", param=field)
     chat = {k: v for k, v in body.items() if k not in _TOKENIZE_ONLY}
     chat["model"] = state.served_model_name
     try:
@@ -52,7 +57,7 @@ def _chat_tokens(state: ServerState, body: dict) -> list[int]:
     except dr.ConversionError as err:
         raise from_conversion_error(err) from None
     except (ValueError, TypeError, OverflowError, RecursionError) as err:
-        raise ApiError(400, f"invalid request body: {err}") from None
+        raise invalid_body(err) from None
     if _flag(body, "add_generation_prompt", True):
         return ids
     answer_start = state.recipe_tokenizer.encode(_ANSWER_START)
@@ -64,26 +69,25 @@ def _chat_tokens(state: ServerState, body: dict) -> list[int]:
     return ids
 
 
-def _prompt_tokens(state: ServerState, prompt) -> list[int]:
+def _prompt_tokens(state: ServerState, body: dict) -> list[int]:
+    prompt = body["prompt"]
     if not isinstance(prompt, str):
         raise ApiError(400, "invalid value for prompt: expected a string", param="prompt")
-    return state.tokenizer.encode(prompt)
+    if _flag(body, "continue_final_message", False):
+        raise ApiError(400, "continue_final_message applies to messages, not to prompt", param="continue_final_message")
+    return state.tokenizer.encode(prompt, add_special_tokens=_flag(body, "add_special_tokens", True))
 
 
 def _token_strs(state: ServerState, tokens: list[int]) -> list[str]:
     """Each token's vocabulary entry (vLLM's convert_ids_to_tokens)."""
-    to_token = getattr(state.tokenizer, "convert_ids_to_tokens", None)
-    if to_token is not None:
-        return list(to_token(tokens))
-    vocabulary = state.tokenizer._tokenizer  # until Tokenizer has convert_ids_to_tokens
-    return [vocabulary.id_to_token(t) or "" for t in tokens]
+    return state.tokenizer.convert_ids_to_tokens(tokens)
 
 
 async def run_tokenize(state: ServerState, body: dict):
     _check_model(state, body)
     if ("messages" in body) == ("prompt" in body):
         raise ApiError(400, "give either prompt (text) or messages (a conversation), not both and not neither")
-    tokens = _chat_tokens(state, body) if "messages" in body else _prompt_tokens(state, body["prompt"])
+    tokens = _chat_tokens(state, body) if "messages" in body else _prompt_tokens(state, body)
     answer = {"count": len(tokens), "max_model_len": state.max_model_len, "tokens": tokens, "token_strs": None}
     if _flag(body, "return_token_strs", False):
         answer["token_strs"] = _token_strs(state, tokens)

@@ -193,7 +193,7 @@ def anthropic_client(server):
 
 @pytest.fixture(scope="session")
 def http(server):
-    with httpx.Client(base_url=server.url, timeout=60) as client:
+    with httpx.Client(base_url=server.url, timeout=60, headers={"Connection": "close"}) as client:
         yield client
 
 
