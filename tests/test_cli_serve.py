@@ -126,6 +126,7 @@ def test_config_file_flags_override_listening_and_the_generation_default(tmp_pat
         assert httpx.get(url[1] + "/health", timeout=5).status_code == 200
         before = server.log()
         assert "serving deepinfer-demo-deepseek-v4-random as 'from-config', context 1024 tokens" in before
+        assert "16 KV blocks of 128 tokens, prefix caching off" in before  # from the file
         assert before.index("Application startup complete") < before.index("listening on")
         server.wait_for(r'"GET /health HTTP/1\.1" 200')  # uvicorn's access log, on at --uvicorn-log-level info
 

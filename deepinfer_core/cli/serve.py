@@ -106,12 +106,13 @@ def build_state(args: argparse.Namespace):
         backend.device.name,
     )
     log.info(
-        "serving %s as %r, context %d tokens, %d KV blocks of %d tokens",
+        "serving %s as %r, context %d tokens, %d KV blocks of %d tokens, prefix caching %s",
         llm.model_name,
         name,
         llm.engine.max_model_len,
         llm.engine.blocks.num_blocks,
         llm.engine.blocks.block_size,
+        "on" if llm.engine.blocks.enable_prefix_caching else "off",
     )
     return ServerState(
         engine=AsyncEngine(llm.engine, max_waiting=args.max_waiting_requests),
