@@ -123,6 +123,7 @@ class _Sent:
     offset: int = 0  # text_offset of the next token with logprobs
     generated: int = 0  # tokens generated
     echoed: bool = False
+    finished: bool = False  # its finish_reason is sent (the engine's last report lists every sample again)
 
 
 @dataclass
@@ -146,12 +147,15 @@ class ChoiceStream:
 
     def _choice(self, sample: CompletionOutput, base_index: int) -> dict | None:
         request, sent = self.request, self.sent.setdefault(sample.index, _Sent())
+        if sent.finished:
+            return None
         text, token_ids, entries = "", [], []
         if request.echo and not sent.echoed:
             sent.echoed = True
             text = _prompt_text(self.state, self.prompt)
             token_ids, entries = list(self.prompt.token_ids), _prompt_entries(self.prompt, self.prompt_logprobs)
         finish = sample.finish_reason
+        sent.finished = finish is not None
         if not request.echo_only:
             end = (
                 len(sample.text) if finish is not None else len(sample.text) - held_back(sample.text, self.params.stop)

@@ -3,6 +3,9 @@ and streaming output parsing are its job; ours is to run the tokens through the 
 
 The recipe parses one answer per StreamProcessor: a request with n samples (chat's `n`) runs one
 processor per sample, and its chunks are re-indexed and merged at the JSON level.
+
+Stop strings are the engine's alone (it honours min_tokens, as vLLM): the recipe parses without them, and
+`StopGate` (recipe_input.py) keeps a stop string's text from ever reaching it.
 """
 
 from __future__ import annotations
@@ -15,11 +18,11 @@ from dataclasses import dataclass, field
 
 import deepseek_recipe as dr
 
-from deepinfer_core.engine.request import CompletionOutput
 from deepinfer_core.errors import DeepInferError
 from deepinfer_core.sampling.params import SamplingParams
 from deepinfer_core.serve import fields
 from deepinfer_core.serve.errors import ApiError, from_conversion_error, invalid_body
+from deepinfer_core.serve.recipe_input import StopGate, inference_chunks
 from deepinfer_core.serve.state import ServerState
 
 __all__ = ["PROTOCOLS", "Protocol", "run_protocol"]
@@ -47,12 +50,14 @@ _FINISH = {"stop": dr.InferenceFinishReason.Stop, "length": dr.InferenceFinishRe
 @dataclass
 class _Prepared:
     conv: dr.ConversationRequest
+    parsing: dr.ParsingOptions  # the recipe's, without the stop sequences (the engine applies them)
     generators: list  # one chunk generator per sample
     prompt_ids: list[int]
     params: SamplingParams
     include_usage: bool = False  # chat: stream_options.include_usage
     continuous_usage: bool = False  # chat: stream_options.continuous_usage_stats (vLLM)
     generated: list[int] = field(default_factory=list)  # tokens generated so far, per sample
+    stop_strings: list[str | None] = field(default_factory=list)  # the stop string that ended each sample
 
 
 def _parse(state: ServerState, protocol: Protocol, body: dict):
@@ -117,14 +122,18 @@ def _prepare(state: ServerState, protocol: Protocol, body: dict, request_id: str
     if extras:
         generators = [g.with_namespace_tool_map(extras["tools"]).with_echo(extras["echo"]) for g in generators]
     stream_options = _stream_options(body) if protocol.route == "chat" else {}
+    parsing = conv.parsing_options  # a copy
+    parsing.stop_sequences = []
     return _Prepared(
         conv,
+        parsing,
         generators,
         prompt_ids,
         params,
         include_usage=stream_options.get("include_usage") is True,
         continuous_usage=stream_options.get("continuous_usage_stats") is True,
         generated=[0] * params.n,
+        stop_strings=[None] * params.n,
     )
 
 
@@ -144,28 +153,12 @@ def _stream_options(body: dict) -> dict:
     return options
 
 
-def _inference_chunks(state: ServerState, params: SamplingParams, sample: CompletionOutput):
-    """The recipe's input for one sample's new tokens. A token that is no text (end of sequence, a special
-    token it skips) is counted but carries no text: an empty text chunk."""
-    drop = state.droppable_special_ids if params.skip_special_tokens else frozenset()
-    new = sample.new_token_ids
-    first = len(sample.token_ids) - len(new)
-    for k, token in enumerate(new):
-        if token in state.eos_token_ids or token in drop:
-            yield dr.InferenceChunk.text("", 1)
-            continue
-        logprobs = None
-        if sample.token_logprobs is not None:
-            logprobs = [(sample.token_logprobs[first + k], list(sample.top_logprobs[first + k].items()))]
-        yield dr.InferenceChunk.tokens([token], logprobs)
-
-
 async def _protocol_chunks(
     state: ServerState, prepared: _Prepared, request_id: str, usage: dict
 ) -> AsyncIterator[tuple[int, object]]:
     """(sample index, the protocol's chunk/event), as the engine produces tokens."""
-    parsing = prepared.conv.parsing_options
-    processors = [dr.StreamProcessor(g, parsing, state.recipe_tokenizer) for g in prepared.generators]
+    processors = [dr.StreamProcessor(g, prepared.parsing, state.recipe_tokenizer) for g in prepared.generators]
+    gates = [StopGate(prepared.params.stop or ()) for _ in processors]
     running = set(range(len(processors)))  # samples whose processor has not ended
     ready_sent = False
     outputs = state.engine.generate(request_id, prepared.prompt_ids, prepared.params)
@@ -188,16 +181,19 @@ async def _protocol_chunks(
                 index = sample.index
                 if index not in running:
                     continue
-                processor = processors[index]
-                for chunk_in in _inference_chunks(state, prepared.params, sample):
-                    prepared.generated[index] += 1
+                processor, gate = processors[index], gates[index]
+                prepared.generated[index] = len(sample.token_ids)
+                gate.hold(state, sample, list(inference_chunks(state, prepared.params, sample)))
+                for chunk_in in gate.release(sample):
                     for chunk in processor.push(chunk_in):
                         yield index, chunk
-                    if processor.finished:  # it found a stop sequence and already ended the answer
+                    if processor.finished:  # the recipe ended the answer itself (it has no stop sequences)
                         running.discard(index)
                         break
                 else:
                     if sample.finish_reason is not None:
+                        if isinstance(sample.stop_reason, str):
+                            prepared.stop_strings[index] = sample.stop_reason
                         for chunk in end(index, _FINISH.get(sample.finish_reason, dr.InferenceFinishReason.Stop)):
                             yield index, chunk
             if output.finished:  # samples the last report did not list as finished (none, normally)
@@ -242,6 +238,14 @@ def _merge_usage(usages: list[dict]) -> dict:
     return merged
 
 
+def _stop_sequence(prepared: _Prepared, index: int, target: dict) -> None:
+    """Messages: the recipe, which parses without the stop sequences, says `end_turn` where the engine
+    stopped at one; Anthropic says `stop_sequence` and names it."""
+    stop = prepared.stop_strings[index]
+    if stop is not None and target.get("stop_reason") == "end_turn":
+        target["stop_reason"], target["stop_sequence"] = "stop_sequence", stop
+
+
 def _echo_applied(prepared: _Prepared, response: dict) -> None:
     """Responses objects echo the sampling settings: report the ones the sampler applies (the recipe's
     response object says 0.0 for the penalties whatever was asked, and the requested temperature even
@@ -265,6 +269,8 @@ class _StreamWriter:
         route = self.protocol.route
         if route == "chat":
             event = self._chat(index, event)
+        elif route == "messages" and event.get("type") == "message_delta":
+            _stop_sequence(self.prepared, index, event.get("delta", {}))
         if event is None or _empty_delta(event):
             return ""
         if route == "responses":
@@ -318,6 +324,8 @@ def _response_json(state: ServerState, protocol: Protocol, prepared: _Prepared, 
         body["usage"] = _merge_usage([b["usage"] for b in bodies])
     elif protocol.route == "responses":
         _echo_applied(prepared, body)
+    elif protocol.route == "messages":
+        _stop_sequence(prepared, 0, body)
     return json.dumps(body, ensure_ascii=False)
 
 

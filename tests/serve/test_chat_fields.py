@@ -1,6 +1,7 @@
 """Chat Completions (and Responses) sampling fields through the official openai client against a live server:
 every accepted field reaches the sampler exactly as on /v1/completions, refused ones are 400s naming
-them, the output limit is honoured, `n` gives n choices, and usage comes where OpenAI puts it.
+them, stop strings wait for min_tokens (Messages' too), the output limit is honoured, `n` gives n choices,
+and usage comes where OpenAI puts it.
 
 The demo model has random weights; its greedy answer to MESSAGES repeats a few tokens, which is what the
 penalties act on. References come from /v1/completions fed the token ids of the same encoded
@@ -105,6 +106,61 @@ def test_stop_token_ids_and_min_tokens(openai_client, recipe):
     assert cut.choices[0].finish_reason == "stop" and cut.usage.completion_tokens == position + 1
     held = chat(openai_client, **SAMPLED, extra_body={"stop_token_ids": [token], "min_tokens": 8})
     assert held.usage.completion_tokens == 8 and held.choices[0].finish_reason == "length"
+
+
+def greedy_tokens(client) -> list[str]:
+    return [t.token for t in chat(client, temperature=0, max_tokens=12, logprobs=True).choices[0].logprobs.content]
+
+
+def stop_strings(tokens: list[str]) -> list[str]:
+    """The greedy answer's first token (it repeats), and a string the cut of which falls inside a token."""
+    first = tokens[0]
+    return [first, first[3:] + tokens[1][:3]]
+
+
+@pytest.mark.parametrize("which", [0, 1])
+def test_stop_strings_wait_for_min_tokens(openai_client, recipe, which):
+    """The engine alone applies stop strings, and only after min_tokens (vLLM): text before that keeps the
+    stop string, and the answer ends where /v1/completions, fed the same prompt ids, ends it."""
+    tokens = greedy_tokens(openai_client)
+    stop = stop_strings(tokens)[which]
+    assert tokens[0] in tokens[1:4] and stop in "".join(tokens[:3])  # the greedy answer repeats its first token
+    early = chat(openai_client, temperature=0, max_tokens=12, stop=[stop])
+    assert early.choices[0].finish_reason == "stop" and early.usage.completion_tokens <= 2
+    for min_tokens in (4, 7):
+        kwargs = dict(temperature=0, max_tokens=12, stop=[stop], extra_body={"min_tokens": min_tokens})
+        answer = chat(openai_client, **kwargs)
+        reference = completion(openai_client, recipe, **kwargs)
+        assert reference.finish_reason == "stop" and reference.model_extra["stop_reason"] == stop
+        choice = answer.choices[0]
+        assert choice.finish_reason == "stop" and choice.message.content == reference.text
+        assert min_tokens < answer.usage.completion_tokens < 12 and stop in choice.message.content
+        streamed = list(chat(openai_client, **kwargs, n=2, stream=True, stream_options={"include_usage": True}))
+        texts, finishes = ["", ""], [[], []]
+        for chunk in streamed:
+            for c in chunk.choices:
+                texts[c.index] += c.delta.content or ""
+                finishes[c.index] += [c.finish_reason] if c.finish_reason else []
+        assert texts == [reference.text] * 2 and finishes == [["stop"], ["stop"]]
+        assert streamed[-1].usage.completion_tokens == 2 * answer.usage.completion_tokens
+
+
+def test_messages_stop_sequence_waits_for_min_tokens(openai_client, anthropic_client, recipe):
+    """Messages too: the stop sequence ends the answer after min_tokens, and is still named as the reason."""
+    stop = greedy_tokens(openai_client)[0]
+    _, encoding, options = recipe
+    body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 12}
+    ids = encoding.encode(dr.MessagesRequest(body).convert(options).conversation)
+    extra = {"temperature": 0, "min_tokens": 5}
+    reference = openai_client.completions.create(model=MODEL, prompt=ids, max_tokens=12, stop=[stop], extra_body=extra)
+    m = anthropic_client.messages.create(**body, stop_sequences=[stop], extra_body=extra)
+    assert m.content[0].text == reference.choices[0].text and stop in m.content[0].text
+    assert m.stop_reason == "stop_sequence" and m.stop_sequence == stop
+    assert m.usage.output_tokens == reference.usage.completion_tokens > 5
+    with anthropic_client.messages.stream(**body, stop_sequences=[stop], extra_body=extra) as streamed:
+        assert "".join(streamed.text_stream) == m.content[0].text
+        final = streamed.get_final_message()
+    assert final.stop_reason == "stop_sequence" and final.stop_sequence == stop
 
 
 def test_skip_special_tokens(openai_client):

@@ -8,6 +8,8 @@ samples vs best_of, a greedy step vs the echoed prompt's logprob), never from th
 
 from __future__ import annotations
 
+import json
+
 import httpx
 import openai
 import pytest
@@ -100,14 +102,35 @@ def test_prompt_list_streams_with_usage_last(openai_client):
         for choice in chunk.choices:
             texts[choice.index] = texts.get(choice.index, "") + choice.text
             if choice.finish_reason:
-                finishes[choice.index] = choice.finish_reason
+                finishes.setdefault(choice.index, []).append(choice.finish_reason)
     assert texts == {c.index: c.text for c in whole.choices}
-    assert finishes == {c.index: c.finish_reason for c in whole.choices}
+    assert finishes == {c.index: [c.finish_reason] for c in whole.choices}  # once each
     last = chunks[-1]
     assert last.choices == [] and last.usage is not None
     assert last.usage.prompt_tokens == whole.usage.prompt_tokens
     assert last.usage.completion_tokens == whole.usage.completion_tokens
     assert last.usage.total_tokens == last.usage.prompt_tokens + last.usage.completion_tokens
+
+
+@pytest.mark.parametrize("early_stop", [False, True])
+def test_each_streamed_sample_finishes_once(openai_client, http, early_stop):
+    """The engine's last report lists every sample again: one that finished earlier must not finish twice
+    (sample 1 starts a step after sample 0; with early_stop, sample 0's third token ends it sooner still)."""
+    kwargs = dict(prompt=PROMPT, n=2, max_tokens=6, **SAMPLED)
+    extra = {}
+    if early_stop:
+        ids = create(openai_client, logprobs=0, extra_body={"return_tokens_as_token_ids": True}, **kwargs).choices
+        extra = {"stop_token_ids": [int(ids[0].logprobs.tokens[2].removeprefix("token_id:"))]}
+    whole = create(openai_client, extra_body=extra, **kwargs)
+    body = {"model": MODEL, "stream": True, **kwargs, **extra}
+    with http.stream("POST", "/v1/completions", json=body) as r:
+        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    finishes = {}
+    for event in events:
+        for choice in event["choices"]:
+            if choice["finish_reason"] is not None:
+                finishes.setdefault(choice["index"], []).append(choice["finish_reason"])
+    assert finishes == {c.index: [c.finish_reason] for c in whole.choices}
 
 
 # ---- echo ------------------------------------------------------------------------------------------------
