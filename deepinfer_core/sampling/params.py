@@ -90,6 +90,7 @@ class SamplingParams:
     def fan_out(self) -> list[SamplingParams]:
         """One single-sample parameter set per sequence of this request. Sample 0 keeps the seed, so n=1
         is unchanged; the others get seeds derived from it (None stays None: the engine draws each)."""
+
         def seed_of(i: int) -> int | None:
             return None if self.seed is None else (self.seed + i * _GOLDEN) % 2**64
 

@@ -1,5 +1,5 @@
 """The choices of a `/v1/completions` answer, in vLLM's shape: whole (`final_choice`), streamed
-(`ChoiceStream`: per-sample deltas, a stop string's possible beginning held back), logprobs in the
+(`ChoiceStream`: per-sample deltas, as the engine reports them), logprobs in the
 legacy `{tokens, token_logprobs, top_logprobs, text_offset}` form, and usage."""
 
 from __future__ import annotations
@@ -9,14 +9,12 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from deepinfer_core.engine.request import CompletionOutput, Logprob, RequestOutput
-from deepinfer_core.engine.stops import held_back
-from deepinfer_core.sampling.params import SamplingParams
 
 if TYPE_CHECKING:
     from deepinfer_core.serve.completions import CompletionRequest
     from deepinfer_core.serve.state import ServerState
 
-__all__ = ["ChoiceStream", "Prompt", "final_choice", "held_back", "usage"]
+__all__ = ["ChoiceStream", "Prompt", "final_choice", "usage"]
 
 _FLOOR = -9999.0  # vLLM's floor for -inf logprobs (JSON has no infinity)
 
@@ -119,7 +117,6 @@ def final_choice(
 class _Sent:
     """What a streamed choice has sent so far."""
 
-    chars: int = 0  # of the sample's text
     offset: int = 0  # text_offset of the next token with logprobs
     generated: int = 0  # tokens generated
     echoed: bool = False
@@ -133,7 +130,6 @@ class ChoiceStream:
     state: ServerState
     request: CompletionRequest
     prompt: Prompt
-    params: SamplingParams
     sent: dict[int, _Sent] = field(default_factory=dict)
     prompt_logprobs: list | None = None
 
@@ -156,13 +152,9 @@ class ChoiceStream:
             token_ids, entries = list(self.prompt.token_ids), _prompt_entries(self.prompt, self.prompt_logprobs)
         finish = sample.finish_reason
         sent.finished = finish is not None
-        if not request.echo_only:
-            end = (
-                len(sample.text) if finish is not None else len(sample.text) - held_back(sample.text, self.params.stop)
-            )
-            end = max(end, sent.chars)
-            text += sample.text[sent.chars : end]
-            sent.chars, sent.generated = end, len(sample.token_ids)
+        if not request.echo_only:  # the engine's delta never holds the start of a stop string
+            text += sample.new_text
+            sent.generated = len(sample.token_ids)
             if sample.logprobs is not None and sample.new_token_ids:
                 token_ids += sample.new_token_ids
                 entries += sample.logprobs[len(sample.logprobs) - len(sample.new_token_ids) :]

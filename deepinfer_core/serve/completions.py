@@ -241,7 +241,7 @@ async def run_completions(state: ServerState, body: dict):
 
 
 async def _sse(state: ServerState, request: CompletionRequest, iterators, envelope) -> AsyncIterator[str]:
-    streams = [ChoiceStream(state, request, prompt, params) for prompt, params in zip(request.prompts, request.params)]
+    streams = [ChoiceStream(state, request, prompt) for prompt in request.prompts]
     latest: list[RequestOutput | None] = [None] * len(iterators)
     merged = _merged(iterators)
     try:

@@ -14,7 +14,7 @@ import httpx
 import openai
 import pytest
 
-from deepinfer_core.serve.completion_choices import held_back
+from deepinfer_core.engine.stops import held_back
 
 MODEL = "deepinfer-demo-deepseek-v4-random"
 PROMPT = "Once upon a time"
