@@ -3,21 +3,51 @@
 The socket is bound (and listening) before the model loads, as vLLM does, so that a busy port fails in a
 second rather than after minutes of loading; "listening on ..." is logged only once uvicorn accepts
 connections on it.
+
+On SIGTERM, uvicorn stops accepting and waits for in-flight requests. When --shutdown-grace-period runs
+out first, `on_grace_expired` ends them (each stream gets its protocol's error event and a proper end),
+and uvicorn's own hard stop comes a few seconds later, only as a backstop. Errors the event loop reports
+outside any request (a failing accept() when file descriptors run out) are logged at most once per
+interval, with a count, instead of once per attempt.
 """
 
 from __future__ import annotations
 
+import asyncio
 import errno
+import logging
+import resource
 import socket
+import time
 from collections.abc import Callable
 
 import uvicorn
 
 from deepinfer_core.errors import DeepInferError
 
-__all__ = ["ListeningServer", "bind", "url"]
+__all__ = ["ListeningServer", "bind", "default_connection_limit", "url"]
+
+log = logging.getLogger("deepinfer.serve")
 
 _BACKLOG = 2048  # uvicorn's default
+_SPARE_FILES = 128  # descriptors kept for the model's files, logs and the engine beyond the connections
+_HARD_STOP_AFTER_GRACE = 5.0  # seconds streams get to send their final events once the grace ran out
+_LOOP_ERROR_INTERVAL = 10.0  # seconds between two log lines of the same event-loop error
+
+
+def default_connection_limit() -> int:
+    """Raise the open-file limit to its hard maximum (as vLLM does) and leave room beyond the connections
+    for everything else the process opens: the default --limit-concurrency."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = 65536 if hard == resource.RLIM_INFINITY else min(hard, 65536)
+    if soft != resource.RLIM_INFINITY and soft < target:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+        except (ValueError, OSError):
+            pass
+    soft = 65536 if soft == resource.RLIM_INFINITY else soft
+    return max(16, soft - _SPARE_FILES)
 
 
 def url(sock: socket.socket) -> str:
@@ -62,14 +92,69 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-class ListeningServer(uvicorn.Server):
-    """A uvicorn server that calls `on_started()` once it accepts connections."""
+class _LoopErrors:
+    """An event-loop exception handler that logs each kind of error once per interval, with a count."""
 
-    def __init__(self, config: uvicorn.Config, on_started: Callable[[], None]) -> None:
+    def __init__(self) -> None:
+        self._last: dict[str, float] = {}
+        self._suppressed: dict[str, int] = {}
+
+    def __call__(self, loop: asyncio.AbstractEventLoop, context: dict) -> None:
+        err = context.get("exception")
+        key = f"{context.get('message', '')}|{type(err).__name__}|{getattr(err, 'errno', '')}"
+        now = time.monotonic()
+        if now - self._last.get(key, -_LOOP_ERROR_INTERVAL) < _LOOP_ERROR_INTERVAL:
+            self._suppressed[key] = self._suppressed.get(key, 0) + 1
+            return
+        self._last[key] = now
+        again = self._suppressed.pop(key, 0)
+        more = f" ({again} more like it in the last {_LOOP_ERROR_INTERVAL:g} s)" if again else ""
+        if isinstance(err, OSError) and err.errno in (errno.EMFILE, errno.ENFILE):
+            log.error(
+                "%s: %s%s; too many open connections: lower --limit-concurrency or raise the open-file limit "
+                "(ulimit -n)",
+                context.get("message", "event loop error"),
+                err.strerror,
+                more,
+            )
+        elif isinstance(err, OSError):
+            log.warning("%s: %s%s", context.get("message", "event loop error"), err, more)
+        else:
+            loop.default_exception_handler(context)
+            if again:
+                log.warning("%d more event-loop errors like the last were not logged", again)
+
+
+class ListeningServer(uvicorn.Server):
+    """A uvicorn server that calls `on_started()` once it accepts connections, and `on_grace_expired()`
+    when in-flight requests outlast the shutdown grace period."""
+
+    def __init__(
+        self,
+        config: uvicorn.Config,
+        on_started: Callable[[], None],
+        grace_period: float | None = None,
+        on_grace_expired: Callable[[], None] | None = None,
+    ) -> None:
+        if grace_period is not None:  # the backstop: after ours has ended every request
+            config.timeout_graceful_shutdown = int(grace_period + _HARD_STOP_AFTER_GRACE)
         super().__init__(config)
         self._on_started = on_started
+        self._grace_period = grace_period
+        self._on_grace_expired = on_grace_expired
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        asyncio.get_running_loop().set_exception_handler(_LoopErrors())
         await super().startup(sockets=sockets)
         if self.started:
             self._on_started()
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        timer = None
+        if self._grace_period is not None and self._on_grace_expired is not None:
+            timer = asyncio.get_running_loop().call_later(self._grace_period, self._on_grace_expired)
+        try:
+            await super().shutdown(sockets=sockets)
+        finally:
+            if timer is not None:
+                timer.cancel()

@@ -24,7 +24,7 @@ from deepinfer_core.sampling.params import SamplingParams
 from deepinfer_core.serve import request_log
 from deepinfer_core.serve.metrics import ServerMetrics
 
-__all__ = ["AsyncEngine", "EngineFailure", "Overloaded"]
+__all__ = ["AsyncEngine", "EngineFailure", "Overloaded", "ShuttingDown"]
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +35,10 @@ class Overloaded(DeepInferError):
 
 class EngineFailure(DeepInferError):
     """A step failed (a bug, not bad input); the request cannot complete."""
+
+
+class ShuttingDown(DeepInferError):
+    """The server is stopping and its grace period for in-flight requests ran out."""
 
 
 @dataclass
@@ -97,6 +101,7 @@ class AsyncEngine:
         self._flights: dict[str, _Flight] = {}
         self._wakeup = asyncio.Event()
         self._task: asyncio.Task | None = None
+        self._ended: str | None = None  # why every request was ended (shutdown), once it was
         self.num_in_flight = 0
 
     def start(self) -> None:
@@ -112,6 +117,8 @@ class AsyncEngine:
     ) -> AsyncIterator[RequestOutput]:
         """Outputs of one request as they come; leaving early (disconnect, error) aborts the request."""
         # counted in sequences: a request with n (or best_of) samples runs that many
+        if self._ended is not None:
+            raise ShuttingDown(self._ended)
         samples, limit = params.num_samples, self.max_waiting + self.engine.scheduler.config.max_num_seqs
         if self.num_in_flight and self.num_in_flight + samples > limit:
             raise Overloaded(f"{self.num_in_flight} sequences are in flight; retry shortly")
@@ -145,6 +152,17 @@ class AsyncEngine:
                 self._wakeup.set()
                 if admitted:
                     flight.finish("abort", time.monotonic(), self.metrics)
+
+    def end_all(self, reason: str) -> None:
+        """End every request now, and refuse new ones: each handler's next read raises ShuttingDown(reason)
+        (a stream then ends with its protocol's error event); the engine aborts them between steps."""
+        self._ended = reason
+        for add in self._adds:
+            if not add.accepted.done():
+                add.accepted.set_exception(ShuttingDown(reason))
+        for flight in self._flights.values():
+            flight.queue.put_nowait(ShuttingDown(reason))
+        self._wakeup.set()
 
     @property
     def alive(self) -> bool:

@@ -7,14 +7,17 @@ import re
 
 from fastapi.responses import JSONResponse
 
-__all__ = ["ApiError", "error_response", "from_conversion_error", "invalid_body"]
+__all__ = ["ApiError", "error_response", "from_conversion_error", "invalid_body", "stream_error_event"]
 
 # OpenAI error type by status, and Anthropic's
 _OPENAI_TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
     404: "not_found_error",
+    405: "invalid_request_error",
+    408: "timeout",
     413: "invalid_request_error",
+    415: "invalid_request_error",
     429: "rate_limit_error",
     503: "server_overloaded",
     500: "internal_server_error",
@@ -23,7 +26,10 @@ _ANTHROPIC_TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
     404: "not_found_error",
+    405: "invalid_request_error",
+    408: "timeout_error",
     413: "request_too_large",
+    415: "invalid_request_error",
     429: "rate_limit_error",
     503: "overloaded_error",
     500: "api_error",
@@ -46,16 +52,32 @@ class ApiError(Exception):
         self.headers = headers or {}
 
 
+def _anthropic_body(err: ApiError) -> dict:
+    return {"type": "error", "error": {"type": _ANTHROPIC_TYPES.get(err.status, "api_error"), "message": err.message}}
+
+
+def _openai_error(err: ApiError) -> dict:
+    kind = _OPENAI_TYPES.get(err.status, "invalid_request_error")
+    return {"message": err.message, "type": kind, "param": err.param, "code": err.code or kind}
+
+
 def error_response(err: ApiError, anthropic: bool) -> JSONResponse:
-    if anthropic:
-        body = {
-            "type": "error",
-            "error": {"type": _ANTHROPIC_TYPES.get(err.status, "api_error"), "message": err.message},
-        }
-    else:
-        kind = _OPENAI_TYPES.get(err.status, "invalid_request_error")
-        body = {"error": {"message": err.message, "type": kind, "param": err.param, "code": err.code or kind}}
+    body = _anthropic_body(err) if anthropic else {"error": _openai_error(err)}
     return JSONResponse(body, status_code=err.status, headers=err.headers)
+
+
+def stream_error_event(err: ApiError, style: str, events_sent: int) -> str:
+    """The last server-sent event of a stream that cannot finish (the shutdown grace ran out, the engine
+    failed), in the protocol's format: `style` is "openai" (chat, completions: an error object, then
+    [DONE], as vLLM sends), "responses" (an `error` event with the next sequence number) or "anthropic"
+    (an `error` event, as Anthropic's API sends)."""
+    if style == "anthropic":
+        return f"event: error\ndata: {json.dumps(_anthropic_body(err))}\n\n"
+    error = _openai_error(err)
+    if style == "responses":
+        event = {"type": "error", "code": error["code"], "message": err.message, "param": err.param}
+        return f"event: error\ndata: {json.dumps({**event, 'sequence_number': events_sent})}\n\n"
+    return f"data: {json.dumps({'error': error})}\n\ndata: [DONE]\n\n"
 
 
 _NAMED_FIELD = re.compile(r"^Invalid (\w+) value")  # deepseek-recipe's "Invalid temperature value, ..."

@@ -23,6 +23,7 @@ _current: ContextVar[RequestRecord | None] = ContextVar("deepinfer_request_recor
 @dataclass
 class RequestRecord:
     route: str
+    http_request_id: str | None = None  # the x-request-id header it was answered with
     started: float = field(default_factory=time.monotonic)
     request_ids: list[str] = field(default_factory=list)
     prompt_tokens: int = 0
@@ -31,9 +32,9 @@ class RequestRecord:
     logged: bool = False
 
 
-def open_record(route: str) -> RequestRecord:
+def open_record(route: str, http_request_id: str | None = None) -> RequestRecord:
     """A new record for the request being handled in this context (and the tasks it starts)."""
-    record = RequestRecord(route)
+    record = RequestRecord(route, http_request_id)
     _current.set(record)
     return record
 
@@ -50,9 +51,11 @@ def log_finished(record: RequestRecord, status: int) -> None:
     ids = record.request_ids
     request_id = "-" if not ids else ids[0] if len(ids) == 1 else f"{ids[0]} (+{len(ids) - 1} more)"
     log.info(
-        "Finished request %s: route=%s status=%d prompt_tokens=%d generation_tokens=%d finish_reason=%s latency=%.3fs",
+        "Finished request %s: route=%s x_request_id=%s status=%d prompt_tokens=%d generation_tokens=%d "
+        "finish_reason=%s latency=%.3fs",
         request_id,
         record.route,
+        record.http_request_id or "-",
         status,
         record.prompt_tokens,
         record.generation_tokens,

@@ -161,7 +161,8 @@ def test_each_finished_request_is_logged(server, openai_client, stream):
         r = openai_client.completions.create(**kwargs)
         request_id, usage = r.id, r.usage
     pattern = (
-        rf"Finished request {request_id}\S*: route=completions status=200 prompt_tokens={usage.prompt_tokens} "
+        rf"Finished request {request_id}\S*: route=completions x_request_id=[0-9a-f]{{32}} status=200 "
+        rf"prompt_tokens={usage.prompt_tokens} "
         rf"generation_tokens={usage.completion_tokens} finish_reason=length latency=\d"
     )
     assert re.search(pattern, server.log()), server.log()[-2000:]
