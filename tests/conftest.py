@@ -160,7 +160,7 @@ def hf_checkpoint(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def hf_v4_checkpoint(tmp_path_factory):
-    """hf_v4_checkpoint("a" | "b") -> Checkpoint(variant, path, hf_model) of a tiny DeepSeek-V4."""
+    """hf_v4_checkpoint("a" | "b" | "sliding") -> Checkpoint(variant, path, hf_model) of a tiny DeepSeek-V4."""
     pytest.importorskip("transformers")
     helper = _helper("deepinfer_tests_hf_v4_checkpoints", "hf_v4_checkpoints.py")
     root = tmp_path_factory.mktemp("hf-deepseek-v4")

@@ -24,6 +24,7 @@ from dataclasses import dataclass, replace
 from deepinfer_core.backend.extensions import LogitsProcessor, Observer, RequestEvent, StepStats
 from deepinfer_core.backend.resolve import ResolvedBackend
 from deepinfer_core.engine.block_manager import BlockManager
+from deepinfer_core.engine.limits import at_least_one, context_length
 from deepinfer_core.engine.pending import HostPromptLogprobs, LaunchedStep
 from deepinfer_core.engine.request import Delta, Logprob, Request, RequestGroup, RequestOutput
 from deepinfer_core.engine.runner import ModelRunner
@@ -54,6 +55,10 @@ class EngineConfig:
     graph_batch_size: int = 256  # decode steps of up to this many sequences replay device graphs; 0: never
     seed: int | None = None  # seeds requests without one (vLLM's --seed); None: from system randomness
 
+    def __post_init__(self) -> None:
+        for name in ("num_kv_blocks", "kv_cache_memory_bytes", "max_model_len"):
+            at_least_one(name, getattr(self, name))
+
 
 class Engine:
     def __init__(
@@ -66,7 +71,7 @@ class Engine:
         observers: Sequence[Observer] = (),
     ) -> None:
         self.model, self.backend, self.tokenizer, self.config = model, backend, tokenizer, config
-        self.max_model_len = min(config.max_model_len or 1 << 62, model.config.max_position_embeddings)
+        self.max_model_len = context_length(config.max_model_len, model.config.max_position_embeddings)
         block_size = backend.kv_layout.block_size
         num_blocks = config.num_kv_blocks or self._blocks_for_memory(config.kv_cache_memory_bytes, block_size)
         self.blocks = BlockManager(
@@ -104,10 +109,18 @@ class Engine:
             self.async_scheduling = False
 
     def _blocks_for_memory(self, memory_bytes: int, block_size: int) -> int:
-        """Blocks that fit in `memory_bytes` once every sequence slot's per-sequence caches are set aside."""
+        """Blocks that fit in `memory_bytes` once every sequence slot's per-sequence caches are set aside.
+
+        A model without paged caches (a DeepSeek-V4 whose layers are all sliding-window) stores nothing per
+        block: its blocks only count tokens, and it gets enough for every sequence slot to reach max_model_len.
+        """
         specs, seqs = self.model.cache_specs, self.config.scheduler.max_num_seqs
         per_sequence = sequence_bytes(specs) * seqs
-        blocks = (memory_bytes - per_sequence) // block_bytes(specs, block_size)
+        per_block = block_bytes(specs, block_size)
+        if per_block == 0:
+            blocks = seqs * -(-self.max_model_len // block_size) if per_sequence <= memory_bytes else 0
+        else:
+            blocks = (memory_bytes - per_sequence) // per_block
         if blocks < 1:
             raise DeepInferError(
                 f"the KV cache budget of {memory_bytes / 2**20:.0f} MiB does not fit the per-sequence caches of "

@@ -17,6 +17,7 @@ from deepinfer_core.backend.selection import requested_accelerator, select_backe
 from deepinfer_core.engine.dtypes import KV_DTYPE_NAMES, check_kv_cache_dtype, choose_dtype, parse_dtype
 from deepinfer_core.engine.engine import Engine, EngineConfig
 from deepinfer_core.engine.hub import TOKENIZER_FILES, resolve_location
+from deepinfer_core.engine.limits import at_least_one, context_length
 from deepinfer_core.engine.memory import check_utilization, kv_budget_from_utilization, model_bytes
 from deepinfer_core.engine.prompts import ChatRenderer, PromptType, normalize_conversations, normalize_prompts
 from deepinfer_core.engine.request import RequestOutput
@@ -69,6 +70,9 @@ class LLM:
     kv_cache_dtype: "auto" (the model dtype) or a dtype the backend stores KV in.
     gpu_memory_utilization: share (0, 1] of the device's memory for weights and KV cache; the KV cache gets
         what the weights leave. kv_cache_memory_bytes (default 1 GiB) or num_kv_blocks, when given, win.
+    max_model_len: the context in tokens (default: the model's max_position_embeddings; more is refused).
+    max_num_seqs / max_num_batched_tokens: sequences and tokens in one step; any value from 1 works (prefills
+        are chunked to fit the token budget). Limits below 1 are refused before anything loads.
     backend: an already resolved backend to run on instead (accelerator, dtype and block_size are then
         the backend's); the conformance suite uses this to run the engine on the backend under test.
     async_scheduling: plan step N+1 while the device runs step N (None: where the backend supports it).
@@ -107,14 +111,27 @@ class LLM:
         requested = parse_dtype(dtype)
         parse_dtype(kv_cache_dtype, "kv_cache_dtype", KV_DTYPE_NAMES)
         check_utilization(gpu_memory_utilization)
+        at_least_one("block_size", block_size)
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**64):
             raise DeepInferError(f"seed must be an integer in [0, 2**64), got {seed!r}")
+        config = EngineConfig(  # checks the engine's limits before anything is downloaded or loaded
+            num_kv_blocks=num_kv_blocks,
+            kv_cache_memory_bytes=DEFAULT_KV_CACHE_BYTES if kv_cache_memory_bytes is None else kv_cache_memory_bytes,
+            max_model_len=max_model_len,
+            enable_prefix_caching=enable_prefix_caching,
+            async_scheduling=async_scheduling,
+            graph_batch_size=graph_batch_size,
+            scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens),
+            seed=seed,
+        )
         path, from_hub = (
             (None, False)
             if model is None
             else resolve_location(model, what="model", revision=revision, download_dir=download_dir, progress=progress)
         )
         raw_config = DEMO_CONFIG if path is None else read_config(path)
+        if raw_config.get("max_position_embeddings") is not None:  # the engine checks the built model's again
+            context_length(max_model_len, int(raw_config["max_position_embeddings"]))
         discovery = discover()
         registry = model_registry(discovery.plugin_manager)
 
@@ -142,16 +159,8 @@ class LLM:
         hook = discovery.plugin_manager.hook
         processors = [p for found in hook.deepinfer_logits_processors(model_name=self.model_name) for p in found]
         observers = [o for found in hook.deepinfer_observers() for o in found]
-        config = EngineConfig(
-            num_kv_blocks=num_kv_blocks,
-            kv_cache_memory_bytes=self._kv_budget(num_kv_blocks, kv_cache_memory_bytes, gpu_memory_utilization),
-            max_model_len=max_model_len,
-            enable_prefix_caching=enable_prefix_caching,
-            async_scheduling=async_scheduling,
-            graph_batch_size=graph_batch_size,
-            scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens),
-            seed=seed,
-        )
+        budget = self._kv_budget(num_kv_blocks, kv_cache_memory_bytes, gpu_memory_utilization)
+        config = dataclasses.replace(config, kv_cache_memory_bytes=budget)
         self.engine = Engine(self.model, self.backend, self.tokenizer, config, processors, observers)
         self._chat: ChatRenderer | None = None
         self._next_id = 0

@@ -18,8 +18,8 @@ _LEAVES = (str, bytes, int, float, bool, complex, type(None), type)
 def check_utilization(fraction: float | None) -> None:
     if fraction is not None and not 0 < fraction <= 1:
         raise DeepInferError(
-            f"gpu_memory_utilization must be in (0, 1] (the share of the device's memory for weights and KV "
-            f"cache), got {fraction}"
+            f"gpu_memory_utilization must be in (0, 1] (--gpu-memory-utilization: the share of the device's "
+            f"memory for weights and KV cache), got {fraction}"
         )
 
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from deepinfer_core.engine.block_manager import BlockManager
 from deepinfer_core.engine.cost import CostModel, largest_chunk
+from deepinfer_core.engine.limits import at_least_one
 from deepinfer_core.engine.request import Request, RequestStatus
 
 __all__ = ["ScheduledStep", "Scheduler", "SchedulerConfig"]
@@ -26,6 +27,11 @@ class SchedulerConfig:
     max_num_seqs: int = 64  # requests in one step
     max_num_batched_tokens: int = 2048  # tokens in one step
     step_budget_s: float = 0.5  # target step time; prefill chunks are sized to it by the cost model
+
+    def __post_init__(self) -> None:
+        # any budget of 1 or more makes progress: prefills are chunked down to 1 token, decodes take 1
+        for name in ("max_num_seqs", "max_num_batched_tokens"):
+            at_least_one(name, getattr(self, name))
 
 
 @dataclass(frozen=True, slots=True)

@@ -62,8 +62,19 @@ VARIANTS = {
         hc_sinkhorn_iters=3,
         swiglu_limit=0.5,  # low enough that the clamp acts on these activations
     ),
+    # (sliding) every layer sliding-window only: no paged cache at all, only the per-sequence windows
+    "sliding": dict(
+        num_hidden_layers=2,
+        layer_types=[SLIDING, SLIDING],
+        mlp_layer_types=["hash_moe", "moe"],
+        sliding_window=6,
+        o_groups=2,
+        index_topk=64,
+        hc_mult=2,
+        hc_sinkhorn_iters=3,
+    ),
 }
-SEEDS = {"a": 4321, "b": 8765}
+SEEDS = {"a": 4321, "b": 8765, "sliding": 2468}
 
 
 @dataclass(frozen=True)
@@ -111,7 +122,7 @@ _built: dict[str, Checkpoint] = {}
 
 
 def build_v4_checkpoint(variant: str, root: Path) -> Checkpoint:
-    """The checkpoint of `variant` ("a" or "b"), built on first use under `root` (later roots are ignored)."""
+    """The checkpoint of `variant` (a key of VARIANTS), built on first use under `root` (later roots are ignored)."""
     if variant not in _built:
         _built[variant] = _build(variant, Path(root))
     return _built[variant]

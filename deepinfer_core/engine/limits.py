@@ -1,0 +1,28 @@
+"""Engine limits checked where they are set, so a bad value is refused with its flag's name at start-up
+instead of starting an engine that hangs or fails later."""
+
+from __future__ import annotations
+
+from deepinfer_core.errors import DeepInferError
+
+__all__ = ["at_least_one", "context_length"]
+
+
+def at_least_one(name: str, value: int | None) -> None:
+    """Refuse a count or size (None: unset) below 1, naming it as the API and the command line spell it."""
+    if value is not None and value < 1:
+        raise DeepInferError(f"{name} (--{name.replace('_', '-')}) must be at least 1, got {value}")
+
+
+def context_length(max_model_len: int | None, model_limit: int) -> int:
+    """The engine's context in tokens: max_model_len, or the model's max_position_embeddings when unset.
+    A longer max_model_len is refused (positions past the model's limit have no rotary embedding)."""
+    if max_model_len is None:
+        return model_limit
+    if max_model_len > model_limit:
+        raise DeepInferError(
+            f"max_model_len (--max-model-len) {max_model_len} is longer than the model's context of {model_limit} "
+            f"tokens (max_position_embeddings in its config.json); lower --max-model-len to {model_limit} or less, "
+            "or leave it unset to use the model's"
+        )
+    return max_model_len
