@@ -57,15 +57,19 @@ def _environment_error(err: Exception) -> str | None:
 def main(argv: list[str] | None = None) -> int:
     parser, commands = _parser()
     argv = list(sys.argv[1:] if argv is None else argv)
+    argv = underscores_to_dashes(argv, commands)
     try:
-        argv, config_model = expand_config(underscores_to_dashes(argv, commands), commands)
+        expanded, config = expand_config(argv, commands)
     except DeepInferError as err:
         print(f"deepinfer: error: {err}", file=sys.stderr)
         return 2
-    args = parser.parse_args(argv)
+    args = parser.parse_args(expanded)
+    # what the user typed after the command, and what the config file gave, apart: a command that validates
+    # its settings (serve) names each value's source, and lets $DEEPINFER_* fill in only what neither gave
+    args.command_line, args.config_file = argv[argv.index(args.command) + 1 :], config
     try:
         if hasattr(args, "model_tag"):  # serve, generate: MODEL, --model or the config file's model
-            args.model = resolve_model(args.model_tag, args.model, config_model)
+            args.model = resolve_model(args.model_tag, args.model, config.model if config else None)
         configure_logging(resolve_level(getattr(args, "log_level", None)))
         return args.run(args)
     except DeepInferError as err:

@@ -2,9 +2,10 @@
 
 Keys are a command's long flag names, with dashes or underscores (`max-model-len`, `max_model_len`); `model`
 names the model. A `true` switches an on/off flag on; `false` switches a --x/--no-x flag off and leaves a
-plain switch at its default; a list repeats a repeatable flag (`stop: ["###", "END"]`); a mapping is passed
-as JSON (`override-generation-config: {max_new_tokens: 256}`); `null` leaves the default. The file's values
-go in right after the command name, so the same flag given on the command line overrides them.
+plain switch at its default; a list repeats a repeatable flag (`stop: ["###", "END"]`) and is passed as JSON to
+a flag that takes JSON (`allowed-origins: ["https://a.example"]`); a mapping is passed as JSON
+(`override-generation-config: {max_new_tokens: 256}`); `null` leaves the default. The file's values go in right
+after the command name, so the same flag given on the command line overrides them.
 """
 
 from __future__ import annotations
@@ -12,12 +13,24 @@ from __future__ import annotations
 import argparse
 import difflib
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from deepinfer_core.errors import DeepInferError
 
-__all__ = ["expand_config", "underscores_to_dashes"]
+__all__ = ["ConfigFile", "expand_config", "underscores_to_dashes"]
+
+
+@dataclass(frozen=True)
+class ConfigFile:
+    """What a --config file gave: its path, its `model`, its flags as command-line arguments, and each flag's
+    dest -> the key as written in the file (for messages)."""
+
+    path: str
+    model: str | None
+    args: tuple[str, ...]
+    keys: dict[str, str]
 
 
 def _config_path(args: list[str]) -> str | None:
@@ -80,7 +93,7 @@ def _tokens(path: str, key: str, name: str, action: argparse.Action, value: Any)
         if isinstance(action, argparse.BooleanOptionalAction) and not name.startswith("no-"):
             return [f"--no-{name}"]
         return []
-    if isinstance(value, dict):
+    if isinstance(value, dict) or (isinstance(value, list) and action.metavar == "JSON"):
         return [f"{flag}={json.dumps(value)}"]
     if isinstance(value, list):
         if isinstance(action, argparse._AppendAction):
@@ -109,9 +122,9 @@ def underscores_to_dashes(argv: list[str], commands: dict[str, argparse.Argument
     return out
 
 
-def expand_config(argv: list[str], commands: dict[str, argparse.ArgumentParser]) -> tuple[list[str], str | None]:
-    """(argv with the values of the command's --config file put right after the command name, the file's
-    `model` or None). argv is returned as is when it has no --config."""
+def expand_config(argv: list[str], commands: dict[str, argparse.ArgumentParser]) -> tuple[list[str], ConfigFile | None]:
+    """(argv with the values of the command's --config file put right after the command name, what the file
+    gave). argv is returned as is, with None, when it has no --config."""
     at = next((i for i, arg in enumerate(argv) if not arg.startswith("-")), None)
     if at is None or argv[at] not in commands:
         return argv, None
@@ -121,6 +134,7 @@ def expand_config(argv: list[str], commands: dict[str, argparse.ArgumentParser])
         return argv, None
     flags = _long_flags(parser)
     tokens: list[str] = []
+    keys: dict[str, str] = {}
     model = None
     for key, value in _load(path).items():
         name = str(key).replace("_", "-")
@@ -137,4 +151,5 @@ def expand_config(argv: list[str], commands: dict[str, argparse.ArgumentParser])
                 f"`deepinfer {command}` (see deepinfer {command} --help)"
             )
         tokens += _tokens(path, str(key), name, flags[name], value)
-    return [*argv[: at + 1], *tokens, *argv[at + 1 :]], model
+        keys[flags[name].dest] = str(key)
+    return [*argv[: at + 1], *tokens, *argv[at + 1 :]], ConfigFile(path, model, tuple(tokens), keys)

@@ -5,12 +5,23 @@ from __future__ import annotations
 
 import argparse
 import re
+from collections.abc import Callable
+from typing import Any
 
 from deepinfer_core.backend.selection import ENV_VAR
 from deepinfer_core.cli.logging_setup import LEVELS, LOGGING_ENV_VAR
 from deepinfer_core.errors import DeepInferError
 
-__all__ = ["DTYPES", "HelpFormatter", "add_common_flags", "add_model_flags", "human_readable_int", "resolve_model"]
+__all__ = [
+    "DTYPES",
+    "HelpFormatter",
+    "add_common_flags",
+    "add_model_flags",
+    "explicit_values",
+    "flag_type",
+    "human_readable_int",
+    "resolve_model",
+]
 
 DTYPES = ("auto", "bfloat16", "float", "float16", "float32", "half")  # vLLM's --dtype choices
 _DECIMAL = {"k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
@@ -45,6 +56,31 @@ def human_readable_int(value: str) -> int:
             f"{value!r} is not an integer (suffixes: k/m/g/t for 1000s, K/M/G/T for 1024s without decimals, "
             "e.g. 32k or 4G)"
         ) from None
+
+
+def flag_type(convert: Callable[[str], Any]) -> Callable[[str], Any]:
+    """An argparse type from a converter whose ValueError says what is wrong (argparse would print only
+    "invalid <name> value")."""
+
+    def parse(text: str) -> Any:
+        try:
+            return convert(text)
+        except ValueError as err:
+            raise argparse.ArgumentTypeError(str(err)) from None
+
+    parse.__name__ = convert.__name__
+    return parse
+
+
+def explicit_values(add_flags: Callable[[argparse.ArgumentParser], None], args: list[str]) -> dict[str, Any]:
+    """dest -> value of the flags and positionals that `args` gives, leaving out those it does not give
+    (a parser built by `add_flags` whose every default is argparse.SUPPRESS): what a setting's default or
+    environment variable may fill in."""
+    parser = argparse.ArgumentParser(add_help=False)
+    add_flags(parser)
+    for action in parser._actions:
+        action.default = argparse.SUPPRESS
+    return vars(parser.parse_args(args))
 
 
 def add_common_flags(parser: argparse.ArgumentParser) -> None:

@@ -1,47 +1,30 @@
-"""`deepinfer serve`: the OpenAI- and Anthropic-compatible HTTP server (vLLM's flag names)."""
+"""`deepinfer serve`: the OpenAI- and Anthropic-compatible HTTP server (vLLM's flag names). Its settings
+(flags, --config file, $DEEPINFER_*) are validated as one ServeSettings before the port is bound."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import logging
-import os
 import signal
 import sys
 
 from deepinfer_core.backend.selection import accelerator_source, requested_accelerator
-from deepinfer_core.cli.flags import HelpFormatter, add_common_flags, add_model_flags, human_readable_int
+from deepinfer_core.cli.flags import HelpFormatter, add_common_flags, add_model_flags, flag_type, human_readable_int
+from deepinfer_core.cli.settings import (
+    KV_CACHE_DTYPES,
+    UVICORN_LOG_LEVELS,
+    ServeSettings,
+    from_command_line,
+    generation_config,
+    json_list,
+)
 from deepinfer_core.errors import DeepInferError
 
-__all__ = ["add_parser", "build_state"]
+__all__ = ["add_parser", "build_state", "serve_settings"]
 
 log = logging.getLogger("deepinfer.serve")
-
-KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "float32", "fp8", "fp8_e4m3", "fp8_e5m2")
-UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")  # vLLM's --uvicorn-log-level
-# vLLM's generation-config keys that set defaults for the sampling fields a request leaves out
-_LATER_GENERATION_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
-
-
-def generation_config(text: str) -> dict:
-    """--override-generation-config: a JSON object; max_new_tokens (vLLM's key) is the default max_tokens of
-    requests that give none."""
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as err:
-        raise argparse.ArgumentTypeError(f"{text!r} is not JSON ({err}); e.g. '{{\"max_new_tokens\": 256}}'") from None
-    if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError(f'expected a JSON object such as {{"max_new_tokens": 256}}, got {text!r}')
-    for key, item in value.items():
-        if key in _LATER_GENERATION_KEYS:
-            raise argparse.ArgumentTypeError(
-                f"{key} is not supported yet (only max_new_tokens); clients set {key} in each request"
-            )
-        if key != "max_new_tokens":
-            raise argparse.ArgumentTypeError(f"unknown key {key!r}; the supported key is max_new_tokens")
-        if not isinstance(item, int) or isinstance(item, bool) or item < 1:
-            raise argparse.ArgumentTypeError(f"max_new_tokens must be a positive integer, got {item!r}")
-    return value
+_default = ServeSettings.default  # the flags' defaults are the settings model's
 
 
 def _fraction(text: str) -> float:
@@ -54,54 +37,55 @@ def _fraction(text: str) -> float:
     return value
 
 
-def _kv_cache_memory_bytes(args: argparse.Namespace) -> int | None:
-    if args.kv_cache_memory_gb is None:
-        return args.kv_cache_memory_bytes
-    if args.kv_cache_memory_bytes is not None:
-        raise DeepInferError("give --kv-cache-memory-bytes or --kv-cache-memory-gb, not both")
-    return int(args.kv_cache_memory_gb * (1 << 30))
+def serve_settings(args: argparse.Namespace) -> ServeSettings:
+    """The validated settings of this run (see settings.from_command_line); a DeepInferError naming each wrong
+    value as its user spelled it."""
+    return from_command_line(_add_flags, args.command_line, args.config_file, args.model)
 
 
-def build_state(args: argparse.Namespace):
+def build_state(settings: ServeSettings):
+    """The server's state: the model loaded as `settings` say, its engine, tokenizer and limits."""
     from deepinfer_core.engine.llm import LLM
     from deepinfer_core.serve.async_engine import AsyncEngine
     from deepinfer_core.serve.metrics import ServerMetrics
     from deepinfer_core.serve.state import ServerState, build_recipe
 
+    # from the environment, left to backend selection, whose messages then name $DEEPINFER_ACCELERATOR
+    accelerator = settings.accelerator if settings.origin("accelerator").kind in ("flag", "config") else None
     llm = LLM(
-        model=args.model,
-        tokenizer=args.tokenizer,
-        revision=args.revision,
-        download_dir=args.download_dir,
-        accelerator=args.accelerator,
-        dtype=args.dtype,
-        seed=args.seed,
-        kv_cache_dtype=args.kv_cache_dtype,
-        gpu_memory_utilization=args.gpu_memory_utilization,
-        block_size=args.block_size,
-        num_kv_blocks=args.num_kv_blocks,
-        kv_cache_memory_bytes=_kv_cache_memory_bytes(args),
-        max_model_len=args.max_model_len,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        enable_prefix_caching=args.enable_prefix_caching,
-        batch_invariant=args.batch_invariant,
-        graph_batch_size=0 if args.enforce_eager else 256,
+        model=settings.model,
+        tokenizer=settings.tokenizer,
+        revision=settings.revision,
+        download_dir=settings.download_dir,
+        accelerator=accelerator,
+        dtype=settings.dtype,
+        seed=settings.seed,
+        kv_cache_dtype=settings.kv_cache_dtype,
+        gpu_memory_utilization=settings.gpu_memory_utilization,
+        block_size=settings.block_size,
+        num_kv_blocks=settings.num_kv_blocks,
+        kv_cache_memory_bytes=settings.kv_cache_bytes,
+        max_model_len=settings.max_model_len,
+        max_num_seqs=settings.max_num_seqs,
+        max_num_batched_tokens=settings.max_num_batched_tokens,
+        enable_prefix_caching=settings.enable_prefix_caching,
+        batch_invariant=settings.batch_invariant,
+        graph_batch_size=0 if settings.enforce_eager else 256,
         progress=sys.stderr.isatty(),
     )
     if llm.tokenizer is None:
         raise DeepInferError(
             f"{llm.model_name} has no tokenizer.json; the server needs one to encode conversations: pass --tokenizer"
         )
-    name = args.served_model_name or llm.model_name
+    name = settings.served_model_name or llm.model_name
     recipe_tokenizer, encoding, options = build_recipe(str(llm.tokenizer_dir / "tokenizer.json"), name)
     backend = llm.backend
-    asked = requested_accelerator(args.accelerator)
+    asked = requested_accelerator(accelerator)
     log.info(
         "backend %s selected (%s %s): %s on %s",
         backend.info.name,
         asked,
-        "from " + accelerator_source(args.accelerator) if asked != "auto" else "by priority",
+        "from " + accelerator_source(accelerator) if asked != "auto" else "by priority",
         backend.info.description,
         backend.device.name,
     )
@@ -115,7 +99,7 @@ def build_state(args: argparse.Namespace):
         "on" if llm.engine.blocks.enable_prefix_caching else "off",
     )
     return ServerState(
-        engine=AsyncEngine(llm.engine, max_waiting=args.max_waiting_requests),
+        engine=AsyncEngine(llm.engine, max_waiting=settings.max_waiting_requests),
         served_model_name=name,
         tokenizer=llm.tokenizer,
         recipe_tokenizer=recipe_tokenizer,
@@ -124,30 +108,51 @@ def build_state(args: argparse.Namespace):
         max_model_len=llm.engine.max_model_len,
         eos_token_ids=llm.engine.eos_token_ids,
         metrics=ServerMetrics(),
-        api_key=args.api_key or os.environ.get("DEEPINFER_API_KEY") or None,
-        max_body_bytes=args.max_request_body_mb << 20,
-        default_max_tokens=(args.override_generation_config or {}).get("max_new_tokens"),
+        api_key=settings.api_key,
+        max_body_bytes=settings.max_request_body_mb << 20,
+        default_max_tokens=(settings.override_generation_config or {}).get("max_new_tokens"),
     )
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from deepinfer_core.cli.listen import ListeningServer, bind, url
-    from deepinfer_core.serve.app import build_app
+    from deepinfer_core.cli.listen import ListeningServer, bind, default_connection_limit, url
+    from deepinfer_core.serve.app import CorsPolicy, build_app
+    from deepinfer_core.serve.http_protocol import HttpLimits, guarded_protocol
 
-    with bind(args.host, args.port) as sock:  # before loading: a busy port fails now, not after the load
-        state = build_state(args)
+    settings = serve_settings(args)  # before binding and loading: a wrong value fails at once
+    with bind(settings.host, settings.port) as sock:  # before loading: a busy port fails now, not after the load
+        state = build_state(settings)
+        limits = HttpLimits(
+            header_timeout=settings.timeout_request_header,
+            body_timeout=settings.timeout_request_body,
+            max_connections=settings.limit_concurrency or default_connection_limit(),
+        )
+        cors = CorsPolicy(
+            tuple(settings.allowed_origins),
+            tuple(settings.allowed_methods),
+            tuple(settings.allowed_headers),
+            settings.allow_credentials,
+        )
         config = uvicorn.Config(
-            build_app(state),
-            host=args.host,
+            build_app(state, cors),
+            host=settings.host,
             port=sock.getsockname()[1],
-            log_level=args.uvicorn_log_level,
-            access_log=not args.disable_uvicorn_access_log,
-            timeout_graceful_shutdown=args.shutdown_grace_period,
+            http=guarded_protocol(limits),
+            log_level=settings.uvicorn_log_level,
+            access_log=not settings.disable_uvicorn_access_log,
+            timeout_keep_alive=settings.timeout_keep_alive,
         )
         access = "needs an API key" if state.api_key else "open"
-        server = ListeningServer(config, lambda: log.info("listening on %s (access %s)", url(sock), access))
+        server = ListeningServer(
+            config,
+            lambda: log.info(
+                "listening on %s (access %s, at most %d connections)", url(sock), access, limits.max_connections
+            ),
+            grace_period=settings.shutdown_grace_period,
+            on_grace_expired=lambda: state.engine.end_all("shutdown grace period expired"),
+        )
         # uvicorn answers SIGTERM with a graceful shutdown, then raises it again for the handler that was in
         # place before: with the default one, a clean stop would end in death by signal (status 143), not 0
         previous = signal.signal(signal.SIGTERM, lambda signum, frame: None)
@@ -165,14 +170,14 @@ def _engine_flags(parser: argparse.ArgumentParser) -> None:
         "--kv-cache-dtype",
         type=str.lower,
         choices=KV_CACHE_DTYPES,
-        default="auto",
+        default=_default("kv_cache_dtype"),
         help="KV cache dtype; auto: the compute dtype",
     )
     p.add_argument(
         "--seed",
         metavar="N",
         type=int,
-        default=None,
+        default=_default("seed"),
         help="seeds the seeds drawn for requests that give none, so runs repeat (default: none: from the "
         "system's randomness)",
     )
@@ -180,7 +185,7 @@ def _engine_flags(parser: argparse.ArgumentParser) -> None:
         "--gpu-memory-utilization",
         metavar="FRACTION",
         type=_fraction,
-        default=None,
+        default=_default("gpu_memory_utilization"),
         help="share (0, 1] of the device's memory for weights and KV cache; the KV cache gets what the weights "
         "leave (default: none: --kv-cache-memory-bytes decides)",
     )
@@ -188,7 +193,7 @@ def _engine_flags(parser: argparse.ArgumentParser) -> None:
         "--kv-cache-memory-bytes",
         metavar="BYTES",
         type=human_readable_int,
-        default=None,
+        default=_default("kv_cache_memory_bytes"),
         help="KV cache size, e.g. 4G or 500m; wins over --gpu-memory-utilization (default: 1 GiB unless "
         "--gpu-memory-utilization is given)",
     )
@@ -196,7 +201,7 @@ def _engine_flags(parser: argparse.ArgumentParser) -> None:
         "--kv-cache-memory-gb",
         metavar="GIB",
         type=float,
-        default=None,
+        default=_default("kv_cache_memory_gb"),
         help="deprecated: --kv-cache-memory-bytes in GiB",
     )
     p.add_argument(
@@ -204,18 +209,30 @@ def _engine_flags(parser: argparse.ArgumentParser) -> None:
         "--num-gpu-blocks-override",
         metavar="N",
         type=int,
-        default=None,
+        default=_default("num_kv_blocks"),
         help="number of KV blocks (default: from the KV cache size)",
     )
     p.add_argument(
-        "--block-size", metavar="N", type=int, default=None, help="tokens per KV block (default: the backend's)"
+        "--block-size",
+        metavar="N",
+        type=int,
+        default=_default("block_size"),
+        help="tokens per KV block (default: the backend's)",
     )
-    p.add_argument("--max-num-seqs", metavar="N", type=int, default=64, help="requests per engine step")
-    p.add_argument("--max-num-batched-tokens", metavar="N", type=int, default=2048, help="tokens per engine step")
+    p.add_argument(
+        "--max-num-seqs", metavar="N", type=int, default=_default("max_num_seqs"), help="requests per engine step"
+    )
+    p.add_argument(
+        "--max-num-batched-tokens",
+        metavar="N",
+        type=int,
+        default=_default("max_num_batched_tokens"),
+        help="tokens per engine step",
+    )
     p.add_argument(
         "--enable-prefix-caching",
         action=argparse.BooleanOptionalAction,
-        default=True,
+        default=_default("enable_prefix_caching"),
         help="reuse the KV cache of prompt prefixes seen before",
     )
     p.add_argument(
@@ -228,31 +245,49 @@ def _engine_flags(parser: argparse.ArgumentParser) -> None:
 
 def _server_flags(parser: argparse.ArgumentParser) -> None:
     p = parser.add_argument_group("server")
-    p.add_argument("--host", default="127.0.0.1", help="address to listen on; 0.0.0.0 for all interfaces")
-    p.add_argument("--port", metavar="PORT", type=int, default=8000, help="port to listen on; 0 for any free port")
+    p.add_argument("--host", default=_default("host"), help="address to listen on; 0.0.0.0 for all interfaces")
     p.add_argument(
-        "--served-model-name", metavar="NAME", default=None, help="the model name clients send (default: the model's)"
+        "--port", metavar="PORT", type=int, default=_default("port"), help="port to listen on; 0 for any free port"
+    )
+    p.add_argument(
+        "--served-model-name",
+        metavar="NAME",
+        default=_default("served_model_name"),
+        help="the model name clients send (default: the model's)",
     )
     p.add_argument(
         "--override-generation-config",
         metavar="JSON",
-        type=generation_config,
-        default=None,
+        type=flag_type(generation_config),
+        default=_default("override_generation_config"),
         help='JSON defaults for requests, as vLLM: {"max_new_tokens": N} caps the output of chat requests '
         "that give no max_tokens (default: none: up to the end of the context)",
     )
     p.add_argument(
-        "--max-waiting-requests", metavar="N", type=int, default=512, help="beyond this, answer 503 + Retry-After"
+        "--max-waiting-requests",
+        metavar="N",
+        type=int,
+        default=_default("max_waiting_requests"),
+        help="sequences that may wait beyond the --max-num-seqs running; more get 503 + Retry-After",
     )
     p.add_argument(
-        "--api-key", metavar="KEY", default=None, help="require this key on /v1 routes (default: $DEEPINFER_API_KEY)"
+        "--api-key",
+        metavar="KEY",
+        default=_default("api_key"),
+        help="require this key on /v1 routes (default: $DEEPINFER_API_KEY, else none: open)",
     )
-    p.add_argument("--max-request-body-mb", metavar="MB", type=int, default=8, help="larger request bodies get 413")
+    p.add_argument(
+        "--max-request-body-mb",
+        metavar="MB",
+        type=int,
+        default=_default("max_request_body_mb"),
+        help="larger request bodies get 413",
+    )
     p.add_argument(
         "--shutdown-grace-period",
         metavar="SECONDS",
         type=int,
-        default=60,
+        default=_default("shutdown_grace_period"),
         help="seconds in-flight requests get on SIGTERM",
     )
     p.add_argument(
@@ -260,7 +295,7 @@ def _server_flags(parser: argparse.ArgumentParser) -> None:
         metavar="LEVEL",
         type=str.lower,
         choices=UVICORN_LOG_LEVELS,
-        default="info",
+        default=_default("uvicorn_log_level"),
         help=f"uvicorn's log level: {', '.join(UVICORN_LOG_LEVELS)}; info logs a line per request",
     )
     p.add_argument(
@@ -268,16 +303,82 @@ def _server_flags(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _connection_flags(parser: argparse.ArgumentParser) -> None:
+    p = parser.add_argument_group("connections")
+    p.add_argument(
+        "--timeout-keep-alive",
+        metavar="SECONDS",
+        type=float,
+        default=_default("timeout_keep_alive"),
+        help="an idle keep-alive connection is closed after this long",
+    )
+    p.add_argument(
+        "--timeout-request-header",
+        metavar="SECONDS",
+        type=float,
+        default=_default("timeout_request_header"),
+        help="a client must send its whole request line and headers within this long",
+    )
+    p.add_argument(
+        "--timeout-request-body",
+        metavar="SECONDS",
+        type=float,
+        default=_default("timeout_request_body"),
+        help="the longest pause allowed between two parts of a request body",
+    )
+    p.add_argument(
+        "--limit-concurrency",
+        metavar="N",
+        type=int,
+        default=_default("limit_concurrency"),
+        help="connections open at once; more are refused (default: none: derived from the open-file limit at start)",
+    )
+    p.add_argument(
+        "--allowed-origins",
+        metavar="JSON",
+        type=flag_type(json_list),
+        default=_default("allowed_origins"),
+        help="origins whose web pages may call the API (CORS), a JSON list such as '[\"https://a.example\"]', "
+        '\'["*"]\' for any. Off unless given, unlike vLLM\'s ["*"]: a server without --api-key on a LAN would '
+        f"otherwise obey any web page its users visit (default: {json.dumps(_default('allowed_origins'))}: no "
+        "CORS headers at all)",
+    )
+    p.add_argument(
+        "--allowed-methods",
+        metavar="JSON",
+        type=flag_type(json_list),
+        default=_default("allowed_methods"),
+        help=f"HTTP methods allowed in CORS requests, a JSON list (default: {json.dumps(_default('allowed_methods'))})",
+    )
+    p.add_argument(
+        "--allowed-headers",
+        metavar="JSON",
+        type=flag_type(json_list),
+        default=_default("allowed_headers"),
+        help=f"HTTP headers allowed in CORS requests, a JSON list (default: {json.dumps(_default('allowed_headers'))})",
+    )
+    p.add_argument(
+        "--allow-credentials", action="store_true", help="allow cookies and Authorization headers in CORS requests"
+    )
+
+
+def _add_flags(parser: argparse.ArgumentParser) -> None:
+    add_model_flags(parser)
+    _engine_flags(parser)
+    _server_flags(parser)
+    _connection_flags(parser)
+    add_common_flags(parser)
+
+
 def add_parser(commands) -> None:
     p = commands.add_parser(
         "serve",
         help="serve the model over OpenAI- and Anthropic-compatible HTTP APIs",
         description="Serve a model over OpenAI- and Anthropic-compatible HTTP APIs, with vLLM's flags.\n"
-        "With no MODEL, the embedded demo model (random weights).",
+        "With no MODEL, the embedded demo model (random weights).\n"
+        "Each flag may also be set as $DEEPINFER_<FLAG> (DEEPINFER_MAX_NUM_SEQS=32, DEEPINFER_API_KEY=...); the\n"
+        "command line wins over --config, which wins over the environment.",
         formatter_class=HelpFormatter,
     )
-    add_model_flags(p)
-    _engine_flags(p)
-    _server_flags(p)
-    add_common_flags(p)
+    _add_flags(p)
     p.set_defaults(run=_cmd_serve)
