@@ -5,16 +5,19 @@ whose grace period runs out under streams."""
 from __future__ import annotations
 
 import json
+import os
 import re
+import resource
 import signal
 import socket
+import subprocess
 import threading
 import time
 
 import httpx
 import pytest
 
-from tests.serve.conftest import API_KEY, MODEL
+from tests.serve.conftest import API_KEY, COMMON_ARGS, MODEL, Server, deepinfer_exe
 
 CHAT = "/v1/chat/completions"
 MESSAGES = "/v1/messages"
@@ -65,7 +68,9 @@ def test_non_json_bodies_are_415(http, path, content_type):
         assert body["error"]["type"] == "invalid_request_error"
 
 
-@pytest.mark.parametrize("content_type", ["application/json; charset=utf-8", "Application/JSON", "application/vnd.x+json"])
+@pytest.mark.parametrize(
+    "content_type", ["application/json; charset=utf-8", "Application/JSON", "application/vnd.x+json"]
+)
 def test_json_content_types_are_accepted(http, content_type):
     r = http.post(CHAT, content=json.dumps(CHAT_BODY).encode(), headers={"content-type": content_type})
     assert r.status_code == 200, r.text
@@ -145,7 +150,7 @@ def test_stalled_body_gets_408_and_one_log_line(strict_server):
     with _connect(strict_server.port) as sock:
         sock.sendall(
             b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
-            b"content-length: 1000\r\n\r\n{\"model\":"
+            b'content-length: 1000\r\n\r\n{"model":'
         )
         reply = _read_all(sock)
     assert reply.startswith(b"HTTP/1.1 408"), reply
@@ -186,12 +191,60 @@ def test_connections_beyond_the_limit_get_503(strict_server):
         time.sleep(0.1)
 
 
+class _FewFilesServer(Server):
+    """A server whose process may open only `files` descriptors (and cannot raise the limit)."""
+
+    files: int = 256
+
+    def start(self) -> Server:
+        def limit() -> None:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (self.files, self.files))
+
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+        env.pop("DEEPINFER_API_KEY", None)
+        command = [deepinfer_exe(), "serve", "--port", str(self.port), *COMMON_ARGS, *self.args]
+        with open(self.log_path, "wb") as log:
+            self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, preexec_fn=limit)
+        return self
+
+
+def test_running_out_of_file_descriptors_logs_one_line_and_recovers(tmp_path):
+    # a connection limit above what the process may open: accept() itself fails (EMFILE), again and again
+    server = _FewFilesServer(["--num-kv-blocks", "16", "--limit-concurrency", "100000"], tmp_path / "server.log")
+    server.start().wait_ready()
+    try:
+        held = []
+        for _ in range(server.files + 50):
+            try:
+                held.append(_connect(server.port))
+            except OSError:
+                break
+        time.sleep(3)  # asyncio retries the accept every second meanwhile
+        for sock in held:
+            sock.close()
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                if httpx.get(server.url + "/health", timeout=5).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "the server did not recover"
+            time.sleep(0.2)
+        log = server.log()
+        assert "Traceback" not in log, log[-3000:]
+        assert log.count("Too many open files") == 1, log[-3000:]
+        assert "--limit-concurrency" in log
+    finally:
+        server.stop()
+
+
 def test_client_leaving_mid_upload_is_499_not_500(server):
     before = server.log().count("status=499")
     with _connect(server.port) as sock:
         sock.sendall(
             b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
-            b"content-length: 100000\r\n\r\n" + b"{\"model\": " + b" " * 5000
+            b"content-length: 100000\r\n\r\n" + b'{"model": ' + b" " * 5000
         )
         time.sleep(0.3)
     deadline = time.monotonic() + 10
