@@ -10,6 +10,38 @@ from tokenizers import Tokenizer as _HFTokenizer
 
 __all__ = ["IncrementalDetokenizer", "Tokenizer", "demo_tokenizer_dir"]
 
+_NO_NORMALIZER = (None, {"type": "Sequence", "normalizers": []})
+_KEEPING_SPLITS = ("Isolated", "MergedWithPrevious", "MergedWithNext", "Contiguous")  # Split behaviours
+
+
+def _pre_tokenizer_steps(config: dict | None) -> list[dict]:
+    if config is None:
+        return []
+    if config.get("type") == "Sequence":
+        return [step for inner in config.get("pretokenizers", []) for step in _pre_tokenizer_steps(inner)]
+    return [config]
+
+
+def _max_token_bytes(tokenizer: _HFTokenizer) -> int | None:
+    config = json.loads(tokenizer.to_str())
+    model, steps = config.get("model", {}), _pre_tokenizer_steps(config.get("pre_tokenizer"))
+    lossless = all(
+        step["type"] == "ByteLevel" or (step["type"] == "Split" and step.get("behavior") in _KEEPING_SPLITS)
+        for step in steps
+    )
+    if (
+        config.get("normalizer") not in _NO_NORMALIZER
+        or model.get("type") != "BPE"
+        or model.get("unk_token") is not None
+        or not lossless
+        or not any(step["type"] == "ByteLevel" for step in steps)
+    ):
+        return None
+    # a byte-level entry spells each byte with one character; an added token matches its content as written
+    byte_level = max((len(entry) for entry in model.get("vocab", {})), default=0)
+    added = max((len(token["content"].encode()) for token in config.get("added_tokens", [])), default=0)
+    return max(byte_level, added)
+
 
 class Tokenizer:
     """Encodes text to ids and back; decoding leaves special tokens out unless told to keep them."""
@@ -50,6 +82,18 @@ class Tokenizer:
         """The text's ids; add_special_tokens puts the checkpoint's BOS first when its config asks for one."""
         ids = self._tokenizer.encode(text, add_special_tokens=False).ids
         return [self.bos_token_id, *ids] if self.add_bos_token and add_special_tokens else ids
+
+    def encode_many(self, texts: Sequence[str], add_special_tokens: bool = True) -> list[list[int]]:
+        """`encode` of each text, through the batch call: it lets other threads run meanwhile (the one-text
+        call holds the interpreter lock throughout), so a server encodes long prompts in a worker thread."""
+        bos = [self.bos_token_id] if self.add_bos_token and add_special_tokens else []
+        return [bos + e.ids for e in self._tokenizer.encode_batch(list(texts), add_special_tokens=False)]
+
+    def max_token_bytes(self) -> int | None:
+        """The most bytes of text one token stands for: a lossless byte-level BPE (the DeepSeek tokenizers:
+        no normalizer, no unknown token, a pre-tokenizer that drops nothing) has such a bound; None for any
+        other (text normalized or dropped before the model sees it, unknown runs folded into one token)."""
+        return _max_token_bytes(self._tokenizer)
 
     def convert_ids_to_tokens(self, token_ids: Sequence[int]) -> list[str]:
         """Each id's vocabulary entry (byte-level spelling, special tokens as written)."""

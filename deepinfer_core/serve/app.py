@@ -37,7 +37,7 @@ from deepinfer_core.serve.errors import ApiError, error_response, stream_error_e
 from deepinfer_core.serve.http_protocol import READ_TIMED_OUT
 from deepinfer_core.serve.protocols import PROTOCOLS, run_protocol
 from deepinfer_core.serve.state import ServerState
-from deepinfer_core.serve.tokenize import run_detokenize, run_tokenize
+from deepinfer_core.serve.tokenize import run_count_tokens, run_detokenize, run_tokenize
 
 __all__ = ["CorsPolicy", "build_app"]
 
@@ -273,6 +273,10 @@ def build_app(state: ServerState, cors: CorsPolicy | None = None) -> FastAPI:
     @app.post("/v1/messages")
     async def messages(request: Request):
         return await handle(request, "messages", lambda s, b: run_protocol(s, PROTOCOLS["messages"], b))
+
+    @app.post("/v1/messages/count_tokens")
+    async def count_tokens(request: Request):  # Anthropic's: the prompt tokens /v1/messages would feed the model
+        return await handle(request, "count_tokens", run_count_tokens)
 
     @app.post("/v1/completions")
     async def completions(request: Request):

@@ -4,7 +4,8 @@ or a list of them), text out, no chat template.
 n samples per prompt (best_of: draw more, keep the n of highest cumulative logprob), echo (the prompt
 before the text; with logprobs, the prompt tokens' logprobs too; with max_tokens 0, only the prompt),
 vLLM's sampling extras through fields.py, and streaming that never sends part of a stop string.
-Choice i of the response is sample i % n of prompt i // n.
+Choice i of the response is sample i % n of prompt i // n. Requests are parsed and encoded in a worker
+thread (prompt_encoding.py says why).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from deepinfer_core.sampling.params import SamplingParams
 from deepinfer_core.serve import fields
 from deepinfer_core.serve.completion_choices import ChoiceStream, Prompt, final_choice, usage
 from deepinfer_core.serve.errors import ApiError
+from deepinfer_core.serve.prompt_encoding import check_prompt_fits
 from deepinfer_core.serve.state import ServerState
 
 __all__ = ["run_completions"]
@@ -78,19 +80,17 @@ def _prompts(state: ServerState, value) -> list[Prompt]:
         raise bad("the list is empty")
     else:
         raise bad(f"got {type(value).__name__}")
-    prompts = []
     for item in items:
         if isinstance(item, str):
-            ids = state.tokenizer.encode(item)
-            prompts.append(Prompt(ids, item))
-        elif isinstance(item, list) and all(is_id(t) for t in item):
-            if any(t < 0 for t in item):
-                raise bad(f"token id {min(item)} is negative")
-            prompts.append(Prompt(list(item), None))
-        else:
+            check_prompt_fits(state, item, "prompt")
+        elif not (isinstance(item, list) and all(is_id(t) for t in item)):
             raise bad(f"an item is {type(item).__name__}")
-        if not prompts[-1].token_ids:
-            raise ApiError(400, "the prompt is empty", param="prompt")
+        elif any(t < 0 for t in item):
+            raise bad(f"token id {min(item)} is negative")
+    encoded = iter(state.tokenizer.encode_many([item for item in items if isinstance(item, str)]))
+    prompts = [Prompt(next(encoded), item) if isinstance(item, str) else Prompt(list(item), None) for item in items]
+    if any(not prompt.token_ids for prompt in prompts):
+        raise ApiError(400, "the prompt is empty", param="prompt")
     return prompts
 
 
@@ -209,7 +209,7 @@ async def _merged(iterators: list[AsyncIterator[RequestOutput]]) -> AsyncIterato
 
 async def run_completions(state: ServerState, body: dict):
     """-> ("stream", SSE text iterator) or ("json", body text). Raises ApiError."""
-    request = parse(state, body)
+    request = await asyncio.to_thread(parse, state, body)
     request_id, created = "cmpl-" + uuid.uuid4().hex, int(time.time())
     iterators = await _start(state, request_id, request)
 

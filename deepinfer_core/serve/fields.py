@@ -1,12 +1,16 @@
 """Which request-body fields each route honours or refuses, and how they become SamplingParams.
 
 Every sampling field a route accepts reaches the sampler; a sampling field we cannot honour is a 400
-naming it, never silently ignored. Fields that do not touch sampling (user, metadata, store,
-service_tier, parallel_tool_calls, ...) are none of this module's business and keep being accepted.
+naming it, never silently ignored. So is a feature the server does not have (Responses' stored state,
+background runs). Other fields that do not touch sampling (user, metadata, service_tier,
+parallel_tool_calls, ...) are accepted. Stop strings and stop token ids have one limit on every route
+(`MAX_STOP_STRINGS`, `MAX_STOP_STRING_CHARS`, `MAX_STOP_TOKEN_IDS`), and a `tool_choice` must name a tool
+of `tools` (`check_tool_choice`).
 
 Routes: "chat" (/v1/chat/completions), "responses" (/v1/responses), "messages" (/v1/messages),
 "completions" (/v1/completions). Public API (stable): `refuse_unsupported`, `check_sampling_fields`,
-`requested_max_tokens`, `resolve_max_tokens`, `sampling_params_from_body`, `HONOURED`, `REFUSED`.
+`check_tool_choice`, `requested_max_tokens`, `resolve_max_tokens`, `sampling_params_from_body`,
+`HONOURED`, `REFUSED`, the `MAX_STOP_*` limits.
 """
 
 from __future__ import annotations
@@ -20,9 +24,13 @@ from deepinfer_core.serve.errors import ApiError
 
 __all__ = [
     "HONOURED",
+    "MAX_STOP_STRINGS",
+    "MAX_STOP_STRING_CHARS",
+    "MAX_STOP_TOKEN_IDS",
     "REFUSED",
     "Refusal",
     "check_sampling_fields",
+    "check_tool_choice",
     "refuse_unsupported",
     "requested_max_tokens",
     "resolve_max_tokens",
@@ -30,6 +38,14 @@ __all__ = [
 ]
 
 ROUTES = ("chat", "responses", "messages", "completions")
+
+# Limits on what stops a request, the same on every route. The engine looks for every stop string at every
+# step, and works out how much of the text may still become one in time quadratic in a stop string's
+# length; it tests every generated token against the stop token ids. 16 stop strings is deepseek-recipe's
+# limit on chat and messages (OpenAI allows 4); 1024 stop token ids is far more than a stop list needs.
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 512
+MAX_STOP_TOKEN_IDS = 1024
 
 
 # --- value checks: each returns the value or raises ApiError naming the field ------------------------
@@ -64,8 +80,17 @@ def _boolean(field: str, value: Any) -> bool:
     return value
 
 
-def _token_ids(field: str, value: Any) -> tuple[int, ...]:
-    if not isinstance(value, list) or any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in value):
+def _too_many(field: str, count: int, limit: int, what: str) -> ApiError:
+    message = f"invalid value for {field}: at most {limit} {what} are allowed, got {count}"
+    return ApiError(400, message, param=field)
+
+
+def _stop_token_ids(field: str, value: Any) -> tuple[int, ...]:
+    if not isinstance(value, list):
+        raise _bad(field, "a list of token ids (non-negative integers)", value)
+    if len(value) > MAX_STOP_TOKEN_IDS:
+        raise _too_many(field, len(value), MAX_STOP_TOKEN_IDS, "stop token ids")
+    if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in value):
         raise _bad(field, "a list of token ids (non-negative integers)", value)
     return tuple(value)
 
@@ -73,8 +98,18 @@ def _token_ids(field: str, value: Any) -> tuple[int, ...]:
 def _stop(field: str, value: Any) -> tuple[str, ...]:
     if isinstance(value, str):
         value = [value]
-    if not isinstance(value, list) or not all(isinstance(s, str) and s for s in value):
+    if not isinstance(value, list):
         raise _bad(field, "a non-empty string or a list of non-empty strings", value)
+    if len(value) > MAX_STOP_STRINGS:
+        raise _too_many(field, len(value), MAX_STOP_STRINGS, "stop strings")
+    if not all(isinstance(s, str) and s for s in value):
+        raise _bad(field, "a non-empty string or a list of non-empty strings", value)
+    if longest := max((len(s) for s in value if len(s) > MAX_STOP_STRING_CHARS), default=0):
+        message = (
+            f"invalid value for {field}: a stop string may be at most {MAX_STOP_STRING_CHARS} characters long, "
+            f"got one of {longest}"
+        )
+        raise ApiError(400, message, param=field)
     return tuple(value)
 
 
@@ -90,7 +125,7 @@ _SAMPLING: dict[str, tuple[str, _Check]] = {
     "frequency_penalty": ("frequency_penalty", lambda f, v: _number(f, v, -2, 2)),
     "seed": ("seed", lambda f, v: _integer(f, v, 0, 2**64 - 1)),
     "min_tokens": ("min_tokens", lambda f, v: _integer(f, v, 0, 2**31 - 1)),
-    "stop_token_ids": ("stop_token_ids", _token_ids),
+    "stop_token_ids": ("stop_token_ids", _stop_token_ids),
     "ignore_eos": ("ignore_eos", _boolean),
     "skip_special_tokens": ("skip_special_tokens", _boolean),
     "n": ("n", lambda f, v: _integer(f, v, 1, 128)),
@@ -108,15 +143,18 @@ _EXTRAS = (  # vLLM's extra sampling parameters, on every route
 
 # Sampling fields each route reads from the raw body (fields the protocol converter reads itself, such as
 # chat's logprobs/top_logprobs/stop, are passed to sampling_params_from_body as keyword overrides).
+# Responses' stop is vLLM's extra: the recipe does not read it.
 HONOURED: dict[str, tuple[str, ...]] = {
     "chat": ("temperature", "top_p", "presence_penalty", "frequency_penalty", "n", *_EXTRAS),
-    "responses": ("temperature", "top_p", "presence_penalty", "frequency_penalty", *_EXTRAS),
+    "responses": ("temperature", "top_p", "presence_penalty", "frequency_penalty", "stop", *_EXTRAS),
     "messages": ("temperature", "top_p", "presence_penalty", "frequency_penalty", *_EXTRAS),
     "completions": (
         "temperature", "top_p", "presence_penalty", "frequency_penalty", "n", "best_of", "stop", "logprobs",
         "prompt_logprobs", *_EXTRAS,
     ),
 }  # fmt: skip
+# Sampling fields the protocol converter reads itself, checked here first: the same limits on every route
+_CONVERTED: dict[str, tuple[str, ...]] = {"chat": ("stop",), "messages": ("stop_sequences",)}
 
 
 # --- refused fields: asked for (not absent and not a no-op value), they are a 400 -------------------------
@@ -175,6 +213,7 @@ _COMMON = {
     "truncate_prompt_tokens": Refusal(_absent, "truncate_prompt_tokens is not supported; shorten the prompt"),
     "spaces_between_special_tokens": Refusal(_absent, "spaces_between_special_tokens is not supported"),
 }
+_STATELESS = "this server stores nothing between requests"
 _NOT_ON_CHAT = "is not available on chat completions (as in vLLM); use /v1/completions"
 _ONE_ANSWER = "this protocol returns one answer: n must be 1 or absent"
 REFUSED: dict[str, dict[str, Refusal]] = {
@@ -191,6 +230,10 @@ REFUSED: dict[str, dict[str, Refusal]] = {
         "best_of": Refusal(_absent, "best_of is not available here; use /v1/completions"),
         "prompt_logprobs": Refusal(_absent, "prompt_logprobs is not available here; use /v1/completions"),
         "text": Refusal(_text_config, _JSON_MODE, param="text.format"),
+        "previous_response_id": Refusal(_absent, f"{_STATELESS}; send the whole conversation in input"),
+        "conversation": Refusal(_absent, f"{_STATELESS}; send the whole conversation in input"),
+        "store": Refusal(_false, f"{_STATELESS}; leave store out or set it to false"),
+        "background": Refusal(_false, f"background runs need stored responses and {_STATELESS}; leave it out"),
     },
     "messages": {
         **_COMMON,
@@ -228,10 +271,56 @@ def refuse_unsupported(body: dict, route: str) -> None:
 
 
 def check_sampling_fields(body: dict, route: str) -> None:
-    """Raise a 400 naming the first sampling field `route` honours whose value is of the wrong type or range."""
-    for field in HONOURED[_route(route)]:
+    """Raise a 400 naming the first sampling field `route` takes whose value is of the wrong type or range
+    (or past the stop limits)."""
+    for field in (*HONOURED[_route(route)], *_CONVERTED.get(route, ())):
         if body.get(field) is not None:
             _SAMPLING[field][1](field, body[field])
+
+
+# --- tool_choice: it must name a tool of `tools`, and cannot ask for a tool call without tools ----------
+
+# per route: the tool_choice values that ask for some tool call, and how a tool_choice naming one tool and
+# a tool of `tools` spell its name (chat nests it under "function"; a Messages tool of any type has one)
+_CALL_REQUIRED = {"chat": ("required",), "responses": ("required",), "messages": ("any",)}
+_NAMED_TYPE = {"chat": "function", "responses": "function", "messages": "tool"}
+
+
+def _function_name(entry: dict, route: str) -> Any:
+    if route == "chat":
+        function = entry.get("function")
+        return function.get("name") if isinstance(function, dict) else None
+    return entry.get("name")
+
+
+def _tool_names(tools: list, route: str) -> set[str] | None:
+    """The names of `tools`; None when a tool is of a form whose name is the converter's to judge (a
+    Responses namespace or hosted tool, a chat custom tool, a malformed entry)."""
+    names = set()
+    for tool in tools:
+        kind = tool.get("type", "function") if isinstance(tool, dict) else None
+        name = _function_name(tool, route) if kind == "function" or route == "messages" else None
+        if not isinstance(name, str):
+            return None
+        names.add(name)
+    return names
+
+
+def check_tool_choice(body: dict, route: str) -> None:
+    """Raise a 400 naming tool_choice when it asks for a tool call without tools, or names a tool that is
+    not in `tools` (as vLLM). Values of other shapes are the protocol parser's to refuse."""
+    choice, tools = body.get("tool_choice"), body.get("tools") or []
+    if route not in _CALL_REQUIRED or choice is None or not isinstance(tools, list):
+        return
+    kind = choice.get("type") if isinstance(choice, dict) else choice
+    named = _function_name(choice, route) if isinstance(choice, dict) and kind == _NAMED_TYPE[route] else None
+    if not tools and (named is not None or kind in _CALL_REQUIRED[route]):
+        asked = f"the tool {named!r}" if named is not None else "a tool call"
+        message = f"invalid value for tool_choice: it asks for {asked}, but the request has no tools; give tools"
+        raise ApiError(400, message + " or leave tool_choice out", param="tool_choice")
+    if isinstance(named, str) and (names := _tool_names(tools, route)) is not None and named not in names:
+        message = f"invalid value for tool_choice: it names the tool {named!r}, which is not in tools"
+        raise ApiError(400, f"{message} ({', '.join(sorted(names))})", param="tool_choice")
 
 
 # --- the output length --------------------------------------------------------------------------------

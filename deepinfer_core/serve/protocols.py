@@ -4,12 +4,15 @@ and streaming output parsing are its job; ours is to run the tokens through the 
 The recipe parses one answer per StreamProcessor: a request with n samples (chat's `n`) runs one
 processor per sample, and its chunks are re-indexed and merged at the JSON level.
 
+Requests are parsed, converted and encoded in a worker thread (prompt_encoding.py says why).
+
 Stop strings are the engine's alone (it honours min_tokens, as vLLM): the recipe parses without them, and
 `StopGate` (recipe_input.py) keeps a stop string's text from ever reaching it.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 import uuid
@@ -22,10 +25,11 @@ from deepinfer_core.errors import DeepInferError
 from deepinfer_core.sampling.params import SamplingParams
 from deepinfer_core.serve import fields
 from deepinfer_core.serve.errors import ApiError, from_conversion_error, invalid_body
+from deepinfer_core.serve.prompt_encoding import check_prompt_fits
 from deepinfer_core.serve.recipe_input import StopGate, inference_chunks
 from deepinfer_core.serve.state import ServerState
 
-__all__ = ["PROTOCOLS", "Protocol", "run_protocol"]
+__all__ = ["PROTOCOLS", "Protocol", "encode_prompt", "parse_request", "run_protocol"]
 
 
 @dataclass(frozen=True)
@@ -35,13 +39,18 @@ class Protocol:
     request_cls: type
     response_cls: type
     id_prefix: str
+    prompt_field: str  # the body field of the conversation, named when the prompt is too big
     anthropic: bool = False
 
 
 PROTOCOLS = {
-    "chat": Protocol("chat_completions", "chat", dr.ChatCompletionRequest, dr.ChatCompletionResponse, "chatcmpl-"),
-    "responses": Protocol("responses", "responses", dr.ResponsesRequest, dr.ResponsesResponse, "resp_"),
-    "messages": Protocol("messages", "messages", dr.MessagesRequest, dr.MessagesResponse, "msg_", anthropic=True),
+    "chat": Protocol(
+        "chat_completions", "chat", dr.ChatCompletionRequest, dr.ChatCompletionResponse, "chatcmpl-", "messages"
+    ),
+    "responses": Protocol("responses", "responses", dr.ResponsesRequest, dr.ResponsesResponse, "resp_", "input"),
+    "messages": Protocol(
+        "messages", "messages", dr.MessagesRequest, dr.MessagesResponse, "msg_", "messages", anthropic=True
+    ),
 }
 
 _FINISH = {"stop": dr.InferenceFinishReason.Stop, "length": dr.InferenceFinishReason.Length}
@@ -68,7 +77,13 @@ def _parse(state: ServerState, protocol: Protocol, body: dict):
     requested, length_field = fields.requested_max_tokens(body, route, max_model_len=state.max_model_len)
     if route == "chat":
         _stream_options(body)  # before the recipe, whose refusal does not name the field
-    recipe_body = {k: v for k, v in body.items() if k != "n"} if route == "chat" else body  # ours, not its
+    return parse_request(state, protocol, body), requested, length_field
+
+
+def parse_request(state: ServerState, protocol: Protocol, body: dict):
+    """The protocol's request for `body` (tool_choice checked first), for the served model only."""
+    fields.check_tool_choice(body, protocol.route)
+    recipe_body = {k: v for k, v in body.items() if k != "n"} if protocol.route == "chat" else body  # ours
     try:
         request = protocol.request_cls(recipe_body)
     except (ValueError, TypeError, OverflowError, RecursionError) as err:  # an integer too big, nesting too deep
@@ -80,7 +95,20 @@ def _parse(state: ServerState, protocol: Protocol, body: dict):
             param="model",
             code="model_not_found",
         )
-    return request, requested, length_field
+    return request
+
+
+def encode_prompt(state: ServerState, protocol: Protocol, request, *, must_fit: bool = True):
+    """-> (the converted request, its prompt's token ids). `must_fit`: a prompt too big for the context is a
+    400 before it is encoded."""
+    try:
+        conv = request.convert(state.options)
+        if must_fit:
+            prompt = state.encoding.render_conversation(conv.conversation).prompt
+            check_prompt_fits(state, prompt, protocol.prompt_field)
+        return conv, state.encoding.encode(conv.conversation)
+    except dr.ConversionError as err:
+        raise from_conversion_error(err) from None
 
 
 def _prepare(state: ServerState, protocol: Protocol, body: dict, request_id: str) -> _Prepared:
@@ -88,11 +116,7 @@ def _prepare(state: ServerState, protocol: Protocol, body: dict, request_id: str
     extras = {}
     if protocol.request_cls is dr.ResponsesRequest:  # read before convert consumes the request
         extras = {"tools": request.namespace_tool_map(state.options), "echo": request.echo()}
-    try:
-        conv = request.convert(state.options)
-        prompt_ids = state.encoding.encode(conv.conversation)
-    except dr.ConversionError as err:
-        raise from_conversion_error(err) from None
+    conv, prompt_ids = encode_prompt(state, protocol, request)
     options = conv.inference_options
     constraint = options.output_constraint
     if constraint is not None and constraint.kind in fields.GUIDED_CONSTRAINTS:
@@ -332,7 +356,7 @@ def _response_json(state: ServerState, protocol: Protocol, prepared: _Prepared, 
 async def run_protocol(state: ServerState, protocol: Protocol, body: dict):
     """-> ("stream", async iterator of SSE text) or ("json", response JSON text). Raises ApiError."""
     request_id = protocol.id_prefix + uuid.uuid4().hex
-    prepared = _prepare(state, protocol, body, request_id)
+    prepared = await asyncio.to_thread(_prepare, state, protocol, body, request_id)
     usage: dict = {}
     chunks = _protocol_chunks(state, prepared, request_id, usage)
     try:

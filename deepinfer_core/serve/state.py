@@ -36,9 +36,13 @@ class ServerState:
     # special tokens left out of chat/responses/messages text when a request skips special tokens
     # (the default): those the tokenizer marks special that the protocol parser does not need
     droppable_special_ids: frozenset[int] = field(init=False)
+    # the most bytes of text one token stands for (None: no bound), for refusing before encoding a prompt
+    # that cannot fit the context
+    max_token_bytes: int | None = field(init=False)
 
     def __post_init__(self) -> None:
         self.droppable_special_ids = droppable_special_ids(self.tokenizer, self.recipe_tokenizer, self.options)
+        self.max_token_bytes = self.tokenizer.max_token_bytes()
 
     @property
     def kv_capacity_tokens(self) -> int:

@@ -1,21 +1,26 @@
-"""vLLM's `/tokenize` and `/detokenize`: what the server would feed the model, without running it.
+"""vLLM's `/tokenize` and `/detokenize`, and Anthropic's `/v1/messages/count_tokens`: what the server would
+feed the model, without running it.
 
 /tokenize takes {model?, prompt} (encoded as /v1/completions encodes it) or {model?, messages,
 add_generation_prompt?} (the DeepSeek chat encoding of /v1/chat/completions) and answers
 {"count", "max_model_len", "tokens", "token_strs"}; /detokenize takes {model?, tokens} and answers
-{"prompt": text}.
+{"prompt": text}; count_tokens takes a /v1/messages body (max_tokens not needed) and answers
+{"input_tokens": the prompt tokens /v1/messages would count}. Prompts are encoded in a worker thread
+(prompt_encoding.py says why); a prompt longer than the context is counted, not refused (as in vLLM).
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import deepseek_recipe as dr
 
 from deepinfer_core.serve.errors import ApiError, from_conversion_error, invalid_body
+from deepinfer_core.serve.protocols import PROTOCOLS, encode_prompt, parse_request
 from deepinfer_core.serve.state import ServerState
 
-__all__ = ["run_detokenize", "run_tokenize"]
+__all__ = ["run_count_tokens", "run_detokenize", "run_tokenize"]
 
 # fields of vLLM's tokenize request that are ours to read, not the chat converter's
 _TOKENIZE_ONLY = ("add_generation_prompt", "continue_final_message", "add_special_tokens", "return_token_strs")
@@ -75,7 +80,7 @@ def _prompt_tokens(state: ServerState, body: dict) -> list[int]:
         raise ApiError(400, "invalid value for prompt: expected a string", param="prompt")
     if _flag(body, "continue_final_message", False):
         raise ApiError(400, "continue_final_message applies to messages, not to prompt", param="continue_final_message")
-    return state.tokenizer.encode(prompt, add_special_tokens=_flag(body, "add_special_tokens", True))
+    return state.tokenizer.encode_many([prompt], add_special_tokens=_flag(body, "add_special_tokens", True))[0]
 
 
 def _token_strs(state: ServerState, tokens: list[int]) -> list[str]:
@@ -83,7 +88,7 @@ def _token_strs(state: ServerState, tokens: list[int]) -> list[str]:
     return state.tokenizer.convert_ids_to_tokens(tokens)
 
 
-async def run_tokenize(state: ServerState, body: dict):
+def _tokenize(state: ServerState, body: dict) -> str:
     _check_model(state, body)
     if ("messages" in body) == ("prompt" in body):
         raise ApiError(400, "give either prompt (text) or messages (a conversation), not both and not neither")
@@ -91,7 +96,23 @@ async def run_tokenize(state: ServerState, body: dict):
     answer = {"count": len(tokens), "max_model_len": state.max_model_len, "tokens": tokens, "token_strs": None}
     if _flag(body, "return_token_strs", False):
         answer["token_strs"] = _token_strs(state, tokens)
-    return "json", json.dumps(answer)
+    return json.dumps(answer)
+
+
+async def run_tokenize(state: ServerState, body: dict):
+    return "json", await asyncio.to_thread(_tokenize, state, body)
+
+
+def _count_tokens(state: ServerState, body: dict) -> str:
+    protocol = PROTOCOLS["messages"]
+    _, prompt_ids = encode_prompt(state, protocol, parse_request(state, protocol, body), must_fit=False)
+    return json.dumps({"input_tokens": len(prompt_ids)})
+
+
+async def run_count_tokens(state: ServerState, body: dict):
+    """Anthropic's count_tokens: -> ("json", {"input_tokens": N}). Raises ApiError (in Anthropic's format
+    on a path under /v1/messages)."""
+    return "json", await asyncio.to_thread(_count_tokens, state, body)
 
 
 async def run_detokenize(state: ServerState, body: dict):
