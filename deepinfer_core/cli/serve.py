@@ -288,7 +288,7 @@ def _server_flags(parser: argparse.ArgumentParser) -> None:
         metavar="SECONDS",
         type=int,
         default=_default("shutdown_grace_period"),
-        help="seconds in-flight requests get on SIGTERM",
+        help="seconds in-flight requests get on SIGTERM; then each ends with its protocol's error event (503)",
     )
     p.add_argument(
         "--uvicorn-log-level",
@@ -331,7 +331,8 @@ def _connection_flags(parser: argparse.ArgumentParser) -> None:
         metavar="N",
         type=int,
         default=_default("limit_concurrency"),
-        help="connections open at once; more are refused (default: none: derived from the open-file limit at start)",
+        help="connections open at once; one more is answered 503 and closed (default: none: the open-file limit, "
+        "raised to its maximum at start, less 128)",
     )
     p.add_argument(
         "--allowed-origins",
