@@ -28,6 +28,7 @@ from deepinfer_core.serve.errors import ApiError, from_conversion_error, invalid
 from deepinfer_core.serve.prompt_encoding import check_prompt_fits
 from deepinfer_core.serve.recipe_input import StopGate, inference_chunks
 from deepinfer_core.serve.state import ServerState
+from deepinfer_core.serve.tool_choice import check_tool_choice
 
 __all__ = ["PROTOCOLS", "Protocol", "encode_prompt", "parse_request", "run_protocol"]
 
@@ -82,7 +83,7 @@ def _parse(state: ServerState, protocol: Protocol, body: dict):
 
 def parse_request(state: ServerState, protocol: Protocol, body: dict):
     """The protocol's request for `body` (tool_choice checked first), for the served model only."""
-    fields.check_tool_choice(body, protocol.route)
+    check_tool_choice(body, protocol.route)
     recipe_body = {k: v for k, v in body.items() if k != "n"} if protocol.route == "chat" else body  # ours
     try:
         request = protocol.request_cls(recipe_body)
