@@ -271,7 +271,9 @@ def test_the_help_shows_the_new_flags_with_their_defaults(capsys, monkeypatch):
     assert entries["--timeout-keep-alive SECONDS"].endswith("closed after this long (default: 5)")
     assert entries["--timeout-request-header SECONDS"].endswith("(default: 30)")
     assert entries["--timeout-request-body SECONDS"].endswith("(default: 30)")
-    assert entries["--limit-concurrency N"].endswith("(default: none: derived from the open-file limit at start)")
+    assert entries["--limit-concurrency N"].endswith(
+        "(default: none: the open-file limit, raised to its maximum at start, less 128)"
+    )
     origins = entries["--allowed-origins JSON"]
     assert (
         "unlike vLLM" in origins and "on a LAN" in origins and origins.endswith("(default: []: no CORS headers at all)")

@@ -180,15 +180,7 @@ def test_connections_beyond_the_limit_get_503(strict_server):
     finally:
         for sock in idle:
             sock.close()
-    deadline = time.monotonic() + 10
-    while True:  # the closed ones free their places
-        try:
-            if httpx.get(strict_server.url + "/health", timeout=5).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        assert time.monotonic() < deadline, "the server did not free the connections"
-        time.sleep(0.1)
+    strict_server.wait_ready(10)  # the closed ones free their places
 
 
 class _FewFilesServer(Server):
@@ -222,15 +214,7 @@ def test_running_out_of_file_descriptors_logs_one_line_and_recovers(tmp_path):
         time.sleep(3)  # asyncio retries the accept every second meanwhile
         for sock in held:
             sock.close()
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                if httpx.get(server.url + "/health", timeout=5).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "the server did not recover"
-            time.sleep(0.2)
+        server.wait_ready(10)  # it recovers once the connections are gone
         log = server.log()
         assert "Traceback" not in log, log[-3000:]
         assert log.count("Too many open files") == 1, log[-3000:]
