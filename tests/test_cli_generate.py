@@ -82,3 +82,20 @@ def test_a_bad_logging_level_in_the_environment_is_named(capsys, monkeypatch):
         "deepinfer: error: $DEEPINFER_LOGGING_LEVEL='loud' is not a log level; set it to one of "
         "debug, info, warning, error, critical\n"
     )
+
+
+def test_generate_runs_a_deepseek_v41_checkpoint(run_cli):
+    """A V4.1 folder (the reference-recorded engram_top1 fixture): greedy output starts as the reference's."""
+    import json
+    from pathlib import Path
+
+    from tokenizers import Tokenizer
+
+    folder = Path(__file__).parent / "fixtures" / "deepseek_v41" / "engram_top1"
+    reference = json.loads((folder / "reference.json").read_text())
+    prompt, want = reference["prefill"]["prompts"][1], reference["greedy"]["tokens"][1]
+    args = ["generate", str(folder), "--prompt-token-ids", ",".join(map(str, prompt)), "--max-tokens", "8"]
+    result = run_cli([*args, "--temperature", "0", "--ignore-eos", "--accelerator", "cpu", "--dtype", "float32"])
+    assert result.returncode == 0, result.stderr
+    assert "8 tokens, finish reason length" in result.stderr
+    assert result.stdout.startswith(Tokenizer.from_file(str(folder / "tokenizer.json")).decode(want[:2]))

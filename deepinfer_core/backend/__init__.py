@@ -4,8 +4,10 @@ from deepinfer_core.backend._steps import CostModel, GraphCapture, LinearCostMod
 from deepinfer_core.backend.extensions import LogitsProcessor, ModelRegistry, Observer, RequestEvent, StepStats
 from deepinfer_core.backend.hookspecs import API_VERSION, REQUIRED_BACKEND_HOOKS, BackendSpec, PluginSpec, hookimpl
 from deepinfer_core.backend.ops import (
+    BLOCK_FORMATS,
     OP_NAMES,
     V4_OPS,
+    V41_OPS,
     AttentionMetadata,
     AttentionOps,
     BlockFP8,
@@ -13,13 +15,17 @@ from deepinfer_core.backend.ops import (
     RoutingConfig,
     V4AttentionOps,
     V4Ops,
+    V41AttentionOps,
+    V41Ops,
 )
 from deepinfer_core.backend.types import BackendInfo, Capabilities, DeviceFacts, ProbeResult
 
 __all__ = [
     "API_VERSION",
+    "BLOCK_FORMATS",
     "OP_NAMES",
     "V4_OPS",
+    "V41_OPS",
     "REQUIRED_BACKEND_HOOKS",
     "AttentionMetadata",
     "AttentionOps",
@@ -42,5 +48,7 @@ __all__ = [
     "StepStats",
     "V4AttentionOps",
     "V4Ops",
+    "V41AttentionOps",
+    "V41Ops",
     "hookimpl",
 ]

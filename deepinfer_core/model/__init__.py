@@ -11,11 +11,13 @@ from deepinfer_core.backend.extensions import ModelRegistry
 from deepinfer_core.backend.resolve import ResolvedBackend
 from deepinfer_core.model.config import DeepseekConfig
 from deepinfer_core.model.config_v4 import DeepseekV4Config
+from deepinfer_core.model.config_v41 import DeepseekV41Config
 from deepinfer_core.model.deepseek_v3 import FLOAT32_WEIGHTS, FP8_WEIGHTS, DeepseekV3Model, expected_weights
 from deepinfer_core.model.deepseek_v4 import FLOAT32_WEIGHTS_V4, DeepseekV4Model, expected_weights_v4
+from deepinfer_core.model.deepseek_v41 import FLOAT32_WEIGHTS_V41, DeepseekV41Model, expected_weights_v41, token_map_for
 from deepinfer_core.model.loader import CheckpointError, load_tensors, read_config
 
-__all__ = ["load_deepseek", "load_deepseek_v4", "load_model", "model_registry"]
+__all__ = ["load_deepseek", "load_deepseek_v4", "load_deepseek_v41", "load_model", "model_registry"]
 
 
 def load_deepseek(path: Path, raw_config: dict[str, Any], backend: ResolvedBackend, progress: bool = True):
@@ -33,12 +35,20 @@ def load_deepseek_v4(path: Path, raw_config: dict[str, Any], backend: ResolvedBa
     return DeepseekV4Model(config, weights, backend)
 
 
+def load_deepseek_v41(path: Path, raw_config: dict[str, Any], backend: ResolvedBackend, progress: bool = True):
+    config = DeepseekV41Config.from_hf(raw_config)
+    token_map = token_map_for(config, path)  # before loading: a wrong tokenizer fails at once
+    weights = load_tensors(path, raw_config, expected_weights_v41(config), backend.dtype, FLOAT32_WEIGHTS_V41, progress)
+    return DeepseekV41Model(config, weights, backend, token_map)
+
+
 def model_registry(plugin_manager: pluggy.PluginManager | None = None) -> ModelRegistry:
     """Built-in architectures plus those registered by `deepinfer.plugins` plugins."""
     registry = ModelRegistry()
     for architecture in ("DeepseekV3ForCausalLM", "DeepseekV2ForCausalLM"):
         registry.register(architecture, load_deepseek)
     registry.register("DeepseekV4ForCausalLM", load_deepseek_v4)
+    registry.register("DeepseekV41ForCausalLM", load_deepseek_v41)
     if plugin_manager is not None:
         plugin_manager.hook.deepinfer_register_models(registry=registry)
     return registry

@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from deepinfer_core.backend.ops import RoutingConfig
 from deepinfer_core.model import engram_vocab
 from deepinfer_core.model.config import ConfigError, RopeConfig
 from deepinfer_core.model.v41_schedule import LayerPlan, derive_schedule, layer_plans
@@ -230,6 +231,19 @@ class DeepseekV41Config:
 
     def ratio(self, layer: int) -> int:
         return self.compress_ratios[layer]
+
+    @property
+    def routing(self) -> RoutingConfig:
+        """Every layer's: top-k by score + bias (the bias only chooses), weighted by the raw scores,
+        normalised only when more than one expert is chosen (the gate's temperature is in its weights)."""
+        return RoutingConfig(
+            num_experts=self.n_routed_experts,
+            top_k=self.num_experts_per_tok,
+            method="greedy",
+            scoring=self.scoring_func,
+            normalize=self.norm_topk_prob and self.num_experts_per_tok > 1,
+            routed_scaling_factor=self.routed_scaling_factor,
+        )
 
     def engram_primes(self) -> list[list[list[int]]]:
         """[k-th engram layer][n - 2][head]: the bucket count of each n-gram hash head."""

@@ -3,11 +3,34 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from deepinfer_core.backend.ops import AttentionMetadata
 from deepinfer_core.kv.layout import CacheSpec, KVLayout, compressed_slots, paged_slots, ring_slots
 
 __all__ = ["ReferenceAttention"]
+
+
+def _best_first(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """[Q, N] -> the k best column numbers of each row, best first; ties to the lower number (stable sort)."""
+    return scores.sort(dim=-1, descending=True, stable=True).indices[:, :k]
+
+
+def _best_blocks(scores: torch.Tensor, visible: torch.Tensor, block_size: int, top_blocks: int) -> torch.Tensor:
+    """scores [Q, C] (-inf where not visible), visible [Q] -> [Q, top_blocks]: the blocks of `block_size`
+    entries with the best max score, the newest visible entry's block first, none without a visible entry,
+    then -1."""
+    queries, count = scores.shape
+    num_blocks = -(-count // block_size)
+    padded = F.pad(scores, (0, num_blocks * block_size - count), value=float("-inf"))
+    block_scores = padded.view(queries, num_blocks, block_size).amax(dim=-1)  # [Q, NB]
+    seen = visible > 0
+    block_scores[seen, (visible[seen] - 1) // block_size] = float("inf")  # the newest visible entry's block
+    k = min(top_blocks, num_blocks)
+    picks = _best_first(block_scores, k)  # [Q, k]
+    out = torch.full((queries, top_blocks), -1, dtype=torch.int64, device=scores.device)
+    out[:, :k] = torch.where(block_scores.gather(1, picks) > float("-inf"), picks, -1)
+    return out
 
 
 class ReferenceAttention:
@@ -112,6 +135,31 @@ class ReferenceAttention:
             out[q_start:q_end] = torch.einsum("hqs,sd->qhd", probs, keys).to(q.dtype)
         return out
 
+    def _index_scores(
+        self,
+        q: torch.Tensor,
+        weights: torch.Tensor,
+        keys: torch.Tensor,
+        spec: CacheSpec,
+        meta: AttentionMetadata,
+        b: int,
+        seq_len: int,
+        queries: range,
+        scale: float,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The indexer scores of sequence b's step queries (token rows `queries`) over its entries, -inf where
+        a query cannot see one yet: (scores [Q, C] float32, visible entries per query [Q])."""
+        rate = spec.compress_rate
+        count = seq_len // rate
+        q_pos = torch.arange(seq_len - len(queries), seq_len, device=q.device)  # [Q]
+        visible = (q_pos + 1) // rate  # [Q]
+        entries = self._compressed_entries(keys, spec, meta, b, count)  # [C, Di]
+        rows = slice(queries.start, queries.stop)
+        scores = torch.relu(torch.einsum("qhd,cd->qhc", q[rows].float(), entries)) * scale  # [Q, Hi, C]
+        scores = (scores * weights[rows].float()[:, :, None]).sum(dim=1)  # [Q, C]
+        hidden = torch.arange(count, device=q.device)[None, :] >= visible[:, None]
+        return scores.masked_fill(hidden, float("-inf")), visible
+
     def indexer_topk(
         self,
         q: torch.Tensor,
@@ -125,20 +173,50 @@ class ReferenceAttention:
     ) -> torch.Tensor:
         out = torch.full((q.shape[0], top_k), -1, dtype=torch.int64, device=q.device)
         starts = meta.query_start_loc.tolist()
-        rate = keys_spec.compress_rate
         for b, seq_len in enumerate(meta.seq_lens.tolist()):
             q_start, q_end = starts[b], starts[b + 1]
-            count = seq_len // rate
+            count = seq_len // keys_spec.compress_rate
             if q_end == q_start or count == 0:
                 continue
-            q_pos = torch.arange(seq_len - (q_end - q_start), seq_len, device=q.device)
-            entries = self._compressed_entries(keys, keys_spec, meta, b, count)  # [C, Di]
-            scores = torch.relu(torch.einsum("qhd,cd->qhc", q[q_start:q_end].float(), entries)) * scale
-            scores = (scores * weights[q_start:q_end].float()[:, :, None]).sum(dim=1)  # [Q, C]
-            visible = torch.arange(count, device=q.device)[None, :] < ((q_pos + 1) // rate)[:, None]
-            scores = scores.masked_fill(~visible, float("-inf"))
+            queries = range(q_start, q_end)
+            scores, visible = self._index_scores(q, weights, keys, keys_spec, meta, b, seq_len, queries, scale)
             k = min(top_k, count)
-            picks = scores.sort(dim=-1, descending=True, stable=True).indices[:, :k]  # ties: lower entry first
-            picks = torch.where(picks < ((q_pos + 1) // rate)[:, None], picks, -1)
-            out[q_start:q_end, :k] = picks
+            picks = _best_first(scores, k)  # ties: lower entry first
+            out[q_start:q_end, :k] = torch.where(picks < visible[:, None], picks, -1)
         return out
+
+    def indexer_select(
+        self,
+        q: torch.Tensor,
+        weights: torch.Tensor,
+        keys: torch.Tensor,
+        keys_spec: CacheSpec,
+        meta: AttentionMetadata,
+        *,
+        top_k: int,
+        scale: float,
+        within: torch.Tensor | None = None,
+        block_size: int = 1,
+        top_blocks: int = 0,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        tokens = q.shape[0]
+        indices = torch.full((tokens, top_k), -1, dtype=torch.int64, device=q.device)
+        blocks = torch.full((tokens, top_blocks), -1, dtype=torch.int64, device=q.device) if top_blocks else None
+        starts = meta.query_start_loc.tolist()
+        for b, seq_len in enumerate(meta.seq_lens.tolist()):
+            q_start, q_end = starts[b], starts[b + 1]
+            count = seq_len // keys_spec.compress_rate
+            if q_end == q_start or count == 0:
+                continue
+            queries = range(q_start, q_end)
+            scores, visible = self._index_scores(q, weights, keys, keys_spec, meta, b, seq_len, queries, scale)
+            if blocks is not None:  # from every visible entry, whatever `within` lists
+                blocks[q_start:q_end] = _best_blocks(scores, visible, block_size, top_blocks)
+            if within is not None:
+                entry_blocks = torch.arange(count, device=q.device) // block_size  # [C]
+                listed = (entry_blocks[None, :, None] == within[q_start:q_end, None, :]).any(dim=-1)  # [Q, C]
+                scores = scores.masked_fill(~listed, float("-inf"))
+            k = min(top_k, count)
+            picks = _best_first(scores, k)  # [Q, k], ties: lower entry first
+            indices[q_start:q_end, :k] = torch.where(scores.gather(1, picks) > float("-inf"), picks, -1)
+        return indices, blocks

@@ -5,9 +5,34 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from deepinfer_core.backend.ops import BlockFP8, RoutingConfig
+from deepinfer_core.backend.ops import BLOCK_FORMATS, BlockFP8, RoutingConfig
 
 __all__ = ["ReferenceOps"]
+
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # the magnitudes of FP4 e2m1, by code
+
+
+def _descending(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices of the k largest along the last dim; equal scores go to the lower index (the contract's tie rule)."""
+    return scores.sort(dim=-1, descending=True, stable=True).indices[..., :k]
+
+
+def _pow2ceil(t: torch.Tensor) -> torch.Tensor:
+    """2^(e - 127 + (m != 0)) from the float32 bits of t >= 0 (exponent field e, mantissa field m):
+    2^ceil(log2 t) for normal t, computed from the bits so no log rounds."""
+    bits = t.float().view(torch.int32)
+    power = ((bits >> 23) & 0xFF) - 127 + ((bits & 0x7FFFFF) != 0).to(torch.int32)
+    return ((power + 127) << 23).view(torch.float32)  # the float32 with exponent `power`, mantissa 0
+
+
+def _round_e2m1(q: torch.Tensor) -> torch.Tensor:
+    """q in [-6, 6] to the nearest FP4 e2m1 value, ties to the even code; a zero result is +0."""
+    a = q.abs()
+    # the code counts the boundaries passed: a tie goes down at 0.25, 1.25, 2.5, 5 (to the even codes 0, 2,
+    # 4, 6) and up at 0.75, 1.75, 3.5 (to codes 2, 4, 6)
+    code = sum((a > b).long() for b in (0.25, 1.25, 2.5, 5.0)) + sum((a >= b).long() for b in (0.75, 1.75, 3.5))
+    magnitude = torch.tensor(E2M1_VALUES, device=q.device)[code]
+    return torch.where((q < 0) & (magnitude > 0), -magnitude, magnitude)
 
 
 class ReferenceOps:
@@ -75,11 +100,11 @@ class ReferenceOps:
                 group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)  # [T, G]
             else:
                 group_scores = grouped.max(dim=-1).values
-            kept_groups = group_scores.topk(config.topk_groups, dim=-1).indices  # [T, topk_groups]
+            kept_groups = _descending(group_scores, config.topk_groups)  # [T, topk_groups], ties: lower group
             group_mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, kept_groups, True)
             expert_mask = group_mask[:, :, None].expand_as(grouped).reshape(tokens, -1)
             choice = choice.masked_fill(~expert_mask, float("-inf"))
-        ids = expert_ids.long() if choice is None else choice.topk(config.top_k, dim=-1).indices  # [T, K]
+        ids = expert_ids.long() if choice is None else _descending(choice, config.top_k)  # [T, K], ties: lower id
         weights = scores.gather(1, ids)  # weighted by the raw score, not the bias-corrected one
         if config.normalize:
             weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
@@ -108,6 +133,34 @@ class ReferenceOps:
             start += count
         return out
 
+    def _hc_weights(
+        self,
+        streams: torch.Tensor,
+        fn: torch.Tensor,
+        scale: torch.Tensor,
+        base: torch.Tensor,
+        *,
+        sinkhorn_iters: int,
+        eps: float,
+        norm_eps: float,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """(pre [T, N], post [T, N], comb [T, N, N]) float32; post and comb None for the head form fn [N, N*D]."""
+        n = streams.shape[1]
+        flat = streams.flatten(1).float()  # [T, N * D]
+        flat = flat * torch.rsqrt(flat.square().mean(dim=-1, keepdim=True) + norm_eps)
+        mixes = F.linear(flat, fn.float())  # [T, (2 + N) N] or [T, N]
+        scale, base = scale.float(), base.float()
+        pre = torch.sigmoid(mixes[:, :n] * scale[0] + base[:n]) + eps  # [T, N]
+        if fn.shape[0] == n:
+            return pre, None, None
+        post = 2 * torch.sigmoid(mixes[:, n : 2 * n] * scale[1] + base[n : 2 * n])
+        comb = (mixes[:, 2 * n :] * scale[2] + base[2 * n :]).unflatten(1, (n, n)).softmax(dim=-1) + eps
+        comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
+        for _ in range(sinkhorn_iters - 1):
+            comb = comb / (comb.sum(dim=-1, keepdim=True) + eps)
+            comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
+        return pre, post, comb
+
     def hc_pre(
         self,
         streams: torch.Tensor,
@@ -119,22 +172,10 @@ class ReferenceOps:
         eps: float,
         norm_eps: float,
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-        n = streams.shape[1]
-        flat = streams.flatten(1).float()  # [T, N * D]
-        flat = flat * torch.rsqrt(flat.square().mean(dim=-1, keepdim=True) + norm_eps)
-        mixes = F.linear(flat, fn.float())  # [T, (2 + N) N] or [T, N]
-        scale, base = scale.float(), base.float()
-        pre = torch.sigmoid(mixes[:, :n] * scale[0] + base[:n]) + eps  # [T, N]
-        collapsed = (pre[:, :, None] * streams).sum(dim=1).to(streams.dtype)  # [T, D]
-        if fn.shape[0] == n:
-            return collapsed, None, None
-        post = 2 * torch.sigmoid(mixes[:, n : 2 * n] * scale[1] + base[n : 2 * n])
-        comb = (mixes[:, 2 * n :] * scale[2] + base[2 * n :]).unflatten(1, (n, n)).softmax(dim=-1) + eps
-        comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
-        for _ in range(sinkhorn_iters - 1):
-            comb = comb / (comb.sum(dim=-1, keepdim=True) + eps)
-            comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
-        return collapsed, post, comb
+        pre, post, comb = self._hc_weights(
+            streams, fn, scale, base, sinkhorn_iters=sinkhorn_iters, eps=eps, norm_eps=norm_eps
+        )
+        return self.hc_collapse(streams, pre), post, comb
 
     def hc_post(
         self, block_out: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, comb: torch.Tensor
@@ -146,3 +187,72 @@ class ReferenceOps:
     def softmax_pool(self, values: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
         weights = logits.float().softmax(dim=1).to(values.dtype)  # [N, S, D]
         return (values * weights).sum(dim=1)
+
+    # DeepSeek-V4.1 (V41Ops)
+
+    def hc_mixes(
+        self,
+        streams: torch.Tensor,
+        fn: torch.Tensor,
+        scale: torch.Tensor,
+        base: torch.Tensor,
+        *,
+        sinkhorn_iters: int,
+        eps: float,
+        norm_eps: float,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        n = streams.shape[1]
+        if fn.shape[0] != (2 + n) * n:
+            raise ValueError(
+                f"hc_mixes takes the layer form fn [(2 + N) N, N*D] = [{(2 + n) * n}, {n * streams.shape[2]}] "
+                f"for {n} streams; got fn {list(fn.shape)}"
+            )
+        return self._hc_weights(streams, fn, scale, base, sinkhorn_iters=sinkhorn_iters, eps=eps, norm_eps=norm_eps)
+
+    def hc_collapse(self, streams: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
+        return (pre.float()[:, :, None] * streams.float()).sum(dim=1).to(streams.dtype)  # [T, D]
+
+    def hc_expand(
+        self, block_out: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, comb: torch.Tensor
+    ) -> torch.Tensor:
+        mixed = torch.matmul(comb.float().transpose(-1, -2), streams.float())  # [T, N, D]: sum_j comb[j, k] X_j
+        return (post.float()[:, :, None] * block_out.float()[:, None, :] + mixed).to(streams.dtype)
+
+    def round_to_format(self, x: torch.Tensor, fmt: str) -> torch.Tensor:
+        if fmt not in BLOCK_FORMATS:
+            raise ValueError(f"unknown block format {fmt!r}; round_to_format knows {', '.join(BLOCK_FORMATS)}")
+        block = int(fmt.rsplit(":", 1)[1])
+        if x.shape[-1] % block:
+            raise ValueError(
+                f"{fmt} rounds blocks of {block} along the last dim, which is {x.shape[-1]} here: "
+                f"pass a tensor whose last dim is a multiple of {block}"
+            )
+        blocks = x.float().unflatten(-1, (-1, block))  # [..., L / block, block]
+        amax = blocks.abs().amax(dim=-1, keepdim=True)  # [..., L / block, 1]
+        if fmt == "fp8_e4m3/pow2:32":
+            scale = _pow2ceil(amax.clamp_min(1e-4) * (1 / 448))
+            q = (blocks / scale).clamp(-448, 448).to(torch.float8_e4m3fn).float()
+        elif fmt == "fp4_e2m1/pow2:32":
+            scale = _pow2ceil(amax.clamp_min(6 * 2**-126) * (1 / 6))
+            q = _round_e2m1((blocks / scale).clamp(-6, 6))
+        else:  # "fp4_e2m1/e4m3:16": the scale itself rounded to e4m3
+            scale = (amax.clamp_min(6 * 2**-9) / 6).to(torch.float8_e4m3fn).float()
+            q = _round_e2m1((blocks / scale).clamp(-6, 6))
+        return (q * scale).flatten(-2).to(x.dtype)
+
+    def engram_gate(
+        self,
+        streams: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        weight: torch.Tensor,
+        dead: torch.Tensor,
+        *,
+        eps: float,
+    ) -> torch.Tensor:
+        h, k = streams.float(), key.float()  # [T, N, D]
+        rstd = torch.rsqrt(h.square().mean(dim=-1) + eps) * torch.rsqrt(k.square().mean(dim=-1) + eps)  # [T, N]
+        dot = (h * weight.float() * k).sum(dim=-1) * rstd * h.shape[-1] ** -0.5  # [T, N]
+        gate = torch.sigmoid(dot.sign() * dot.abs().clamp_min(1e-6).sqrt())
+        gate = gate.masked_fill(dead.bool()[:, None], 0.0)  # dead (pad / image) tokens take no memory
+        return (h + gate[:, :, None] * value.float()[:, None, :]).to(streams.dtype)

@@ -15,13 +15,23 @@ import importlib
 import importlib.util
 import os
 
-from deepinfer_core.backend import API_VERSION, V4_OPS, BackendInfo, Capabilities, DeviceFacts, ProbeResult, hookimpl
+from deepinfer_core.backend import (
+    API_VERSION,
+    V4_OPS,
+    V41_OPS,
+    BackendInfo,
+    Capabilities,
+    DeviceFacts,
+    ProbeResult,
+    hookimpl,
+)
 from deepinfer_core.kv.layout import CacheKind
 
 DEEPINFER_API_VERSION = API_VERSION
 
 
 _V4_NOT_YET = "not mapped to torch_npu ops yet: DeepSeek-V4 runs on the cpu reference backend for now"
+_V41_NOT_YET = "DeepSeek-V4.1 op not implemented yet: DeepSeek-V4.1 runs on the cpu reference backend for now"
 
 
 @hookimpl
@@ -52,6 +62,7 @@ def deepinfer_backend_capabilities():
             ("sliding_window", "the V4 sliding-window ring cache is not implemented on this backend yet"),
             ("sequence_state", "per-sequence state caches are not implemented on this backend yet"),
             *((op, _V4_NOT_YET) for op in V4_OPS),
+            *((op, _V41_NOT_YET) for op in V41_OPS),
         ),
     )
 

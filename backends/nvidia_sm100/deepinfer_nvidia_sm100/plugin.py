@@ -12,7 +12,7 @@ import os
 
 import torch
 
-from deepinfer_core.backend import API_VERSION, BackendInfo, Capabilities, DeviceFacts, ProbeResult, hookimpl
+from deepinfer_core.backend import API_VERSION, V41_OPS, BackendInfo, Capabilities, DeviceFacts, ProbeResult, hookimpl
 from deepinfer_core.kv.layout import CacheKind
 
 DEEPINFER_API_VERSION = API_VERSION
@@ -25,6 +25,8 @@ _V4_BATCH_INVARIANCE = (
     "reductions whose results may depend on the batch and the prefill chunking, so batch-invariant mode "
     "covers DeepSeek V2/V3 models only"
 )
+# NvidiaOps / NvidiaAttention do not subclass the reference: nothing of V41_OPS is inherited
+_V41_NOT_YET = "DeepSeek-V4.1 op not implemented yet: DeepSeek-V4.1 runs on the cpu reference backend for now"
 
 
 @hookimpl
@@ -53,7 +55,7 @@ def deepinfer_backend_capabilities():
         weight_formats=("fp8_block",),  # DeepSeek's FP8 weights stay FP8 in memory (half the bytes to read)
         # V4_OPS are all supported: Triton kernels but for sparse_attention and indexer_topk, which run as
         # PyTorch reference code for now (ops.NvidiaOps, ops.NvidiaAttention)
-        unsupported=(("v4_batch_invariance", _V4_BATCH_INVARIANCE),),
+        unsupported=(("v4_batch_invariance", _V4_BATCH_INVARIANCE), *((op, _V41_NOT_YET) for op in V41_OPS)),
     )
 
 

@@ -158,9 +158,9 @@ class RowwiseOps:
                     else:
                         group_score = groups.amax(dim=-1)  # [G]: best expert of each group
                     dropped = torch.ones(config.num_groups, dtype=torch.bool, device=scores.device)
-                    dropped[group_score.topk(config.topk_groups).indices] = False
+                    dropped[group_score.sort(descending=True, stable=True).indices[: config.topk_groups]] = False
                     choice = groups.masked_fill(dropped[:, None], float("-inf")).reshape(experts)
-                top = choice.topk(config.top_k).indices  # [K]
+                top = choice.sort(descending=True, stable=True).indices[: config.top_k]  # [K]: ties to the lower id
             w = scores[top]
             if config.normalize:
                 w = w / (w.sum() + 1e-20)

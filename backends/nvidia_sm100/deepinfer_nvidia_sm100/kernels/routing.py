@@ -2,7 +2,7 @@
 sigmoid, or V4's sqrtsoftplus), the correction bias for choosing, the group filter (V2's best expert,
 V3's two best), the top-k experts by repeated argmax, and the weights (raw scores, normalized, scaled).
 V4's hash routing (the experts given per token) reuses it: the same scores, gathered at the given ids.
-Row-local, so batch-invariant; exact ties go to the lower expert id (the contract leaves ties free)."""
+Row-local, so batch-invariant; exact ties go to the lower expert id, as the contract asks."""
 
 from __future__ import annotations
 

@@ -1,0 +1,105 @@
+"""DeepSeek-V4.1 Engram: an n-gram lookup written into the residual streams (docs/deepseek_v41_reference.md §5).
+
+Each position is hashed with the `max_ngram_size - 1` tokens before it (compressed ids: tokens that
+normalise alike share one), once per step for every engram layer: for each n-gram order and head, a
+rolling XOR of id x multiplier modulo its own prime bucket. The rows those hashes address are projected
+into one key per stream and a shared value; the backend's `engram_gate` mixes the value into each stream.
+Hashes depend on token ids alone, so the look-back of a sequence (its last max_ngram_size - 1 compressed
+ids) is per-sequence state: `ENGRAM_STATE` on the first engram layer's caches.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from deepinfer_core.backend.resolve import ResolvedBackend
+from deepinfer_core.kv.layout import CacheKind, CacheSpec
+from deepinfer_core.model import engram_vocab
+from deepinfer_core.model.config_v41 import DeepseekV41Config
+from deepinfer_core.model.v4_step import V4Step
+
+__all__ = ["ENGRAM_STATE", "EngramLayer", "NgramHasher"]
+
+ENGRAM_STATE = "engram_history"
+_DEAD = -1  # no token: before the sequence start
+
+
+class NgramHasher:
+    """Hash ids [T, engram layers, (max_ngram_size - 1) x heads] of a step's tokens, rows of each layer's table."""
+
+    def __init__(self, backend: ResolvedBackend, cfg: DeepseekV41Config, token_map: list[int]) -> None:
+        device = backend.torch_device
+        self.layout = backend.kv_layout
+        self.lookback = cfg.engram_max_ngram_size - 1
+        self.token_map = torch.tensor(token_map, dtype=torch.int64, device=device)
+        self.pad_id = token_map[cfg.engram_pad_id]
+        primes = cfg.engram_primes()  # [layers][order - 2][head]
+        self.primes = torch.tensor(primes, dtype=torch.int64, device=device)  # [L, orders, heads]
+        offsets = [engram_vocab.engram_offsets(layer) for layer in primes]
+        self.offsets = torch.tensor(offsets, dtype=torch.int64, device=device)  # [L, orders x heads]
+        multipliers = engram_vocab.hash_multipliers(
+            list(cfg.engram_layer_ids), cfg.engram_max_ngram_size, cfg.engram_compressed_vocab_size
+        )
+        self.multipliers = torch.tensor(multipliers, dtype=torch.int64, device=device)  # [L, max_ngram_size]
+        # compressed ids stored exactly in float32 (compressed vocabularies are far below 2**24)
+        self.state_spec = CacheSpec(CacheKind.SEQUENCE_STATE, torch.float32, state_shape=(self.lookback,))
+
+    def _lookback_sources(self, step: V4Step) -> tuple[torch.Tensor, torch.Tensor]:
+        """For each token row and shift s (0 = the token itself), the row of [B x lookback state entries,
+        then the step's T tokens] holding the id at position - s (-1: none, before the sequence start or
+        before the state was written: a prefix hit's replay, whose first tokens the replay length covers),
+        and the state writes (state entry, token row) that keep each sequence's last `lookback` ids."""
+        span, sources, writes = self.lookback, [], []
+        current = len(step._ends) * span
+        written = step.meta.window_starts.tolist()  # state entries of earlier positions are stale
+        for b, row, first, end in step._sequences():
+            since = max(0, written[b])
+            for p in range(first, end):
+                for s in range(span + 1):
+                    q = p - s
+                    in_state = b * span + q % span if q >= since else -1
+                    sources.append(current + row + q - first if q >= first else in_state)
+            writes += [(b * span + p % span, row + p - first) for p in range(max(first, end - span), end)]
+        entries, rows = zip(*writes) if writes else ((), ())
+        device = step.device
+        return (
+            torch.tensor(sources, dtype=torch.int64, device=device).view(-1, span + 1),
+            torch.tensor([entries, rows], dtype=torch.int64, device=device).view(2, -1),
+        )
+
+    def __call__(self, token_ids: torch.Tensor, step: V4Step, state: torch.Tensor) -> torch.Tensor:
+        compressed = self.token_map[token_ids]  # [T]
+        history = self.layout.gather(state, self.state_spec, step.seq_slots).long()  # [B, lookback]
+        sources, (entries, rows) = self._lookback_sources(step)
+        table = torch.cat([history.flatten(), compressed, compressed.new_full((1,), _DEAD)])
+        ids = table[sources]  # [T, lookback + 1]; source -1 picks the trailing DEAD
+        blocked = (ids == _DEAD).cummax(dim=1).values  # once a shift is blocked, every longer one is
+        ids = torch.where(blocked, self.pad_id, ids)
+        flat = history.flatten()
+        flat[entries] = compressed[rows]
+        self.layout.write(state, self.state_spec, step.seq_slots, flat.view_as(history).float())
+        products = ids[:, None, :] * self.multipliers[None]  # [T, L, max_ngram_size]
+        rolling, hashes = products[..., 0], []
+        for order in range(1, self.lookback + 1):
+            rolling = torch.bitwise_xor(rolling, products[..., order])
+            hashes.append(rolling[..., None] % self.primes[None, :, order - 1])  # [T, L, heads]
+        return torch.cat(hashes, dim=-1) + self.offsets[None]  # [T, L, orders x heads]
+
+
+class EngramLayer:
+    """One engram layer: gather its table's rows, project them, and gate them into the streams."""
+
+    def __init__(self, backend: ResolvedBackend, cfg: DeepseekV41Config, w: dict, prefix: str, index: int) -> None:
+        self.ops, self.index, self.eps = backend.ops, index, cfg.rms_norm_eps
+        self.hc_mult, self.hidden = cfg.hc_mult, cfg.hidden_size
+        self.table = w[f"{prefix}.embed.weight"]  # [rows, engram_head_dim]
+        self.wkv = w[f"{prefix}.wkv.weight"]  # [(N + 1) D, columns x engram_head_dim]
+        self.weight = w[f"{prefix}.q_weight"].float() * w[f"{prefix}.k_weight"].float()  # [N, D]
+
+    def __call__(self, streams: torch.Tensor, hash_ids: torch.Tensor) -> torch.Tensor:
+        rows = self.table[hash_ids[:, self.index]].flatten(1)  # [T, columns x engram_head_dim]
+        kv = self.ops.linear(rows.to(self.wkv.dtype), self.wkv)  # [T, (N + 1) D]
+        key = kv[:, : self.hc_mult * self.hidden].unflatten(1, (self.hc_mult, self.hidden))
+        value = kv[:, self.hc_mult * self.hidden :]
+        dead = torch.zeros(streams.shape[0], dtype=torch.bool, device=streams.device)  # text has no dead tokens
+        return self.ops.engram_gate(streams, key, value, self.weight, dead, eps=self.eps)
