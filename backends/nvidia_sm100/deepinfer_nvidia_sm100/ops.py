@@ -8,7 +8,7 @@ kernel); hc_pre (after torch's rms and mixing GEMM: the weights, Sinkhorn and th
 hc_post and softmax_pool are kernels (kernels.hyper). V4's attention ops, sparse_attention and
 indexer_topk, are for now the reference backend's PyTorch code run on the GPU tensors: a correctness-first
 path, not kernels (a loop over the sequences with host reads of the metadata, results that may depend on
-the batch).
+the batch). DeepSeek-V4.1's ops (V41_OPS) are the reference's PyTorch code on the GPU too, for now.
 
 Imported only after the backend is selected (it imports triton).
 """
@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from deepinfer_core.backend.ops import AttentionMetadata, BlockFP8, RoutingConfig
 from deepinfer_core.kv.layout import CacheSpec, KVLayout
 from deepinfer_core.reference.attention import ReferenceAttention
+from deepinfer_core.reference.ops import ReferenceOps
 from deepinfer_nvidia_sm100.kernels import attention, elementwise, gemm, hyper, moe, routing
 
 __all__ = ["NvidiaAttention", "NvidiaOps"]
@@ -115,6 +116,24 @@ class NvidiaOps:
     def softmax_pool(self, values: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
         return hyper.softmax_pool(values, logits)
 
+    # DeepSeek-V4.1's ops: the reference's PyTorch code on the GPU tensors (correct, not tuned)
+    _v41 = ReferenceOps()
+
+    def hc_mixes(self, streams, fn, scale, base, *, sinkhorn_iters: int, eps: float, norm_eps: float):
+        return self._v41.hc_mixes(streams, fn, scale, base, sinkhorn_iters=sinkhorn_iters, eps=eps, norm_eps=norm_eps)
+
+    def hc_collapse(self, streams: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
+        return self._v41.hc_collapse(streams, pre)
+
+    def hc_expand(self, block_out, streams, post, comb) -> torch.Tensor:
+        return self._v41.hc_expand(block_out, streams, post, comb)
+
+    def round_to_format(self, x: torch.Tensor, fmt: str) -> torch.Tensor:
+        return self._v41.round_to_format(x, fmt)
+
+    def engram_gate(self, streams, key, value, weight, dead, *, eps: float) -> torch.Tensor:
+        return self._v41.engram_gate(streams, key, value, weight, dead, eps=eps)
+
 
 class NvidiaAttention:
     """Implements AttentionOps (a Triton kernel) and V4AttentionOps over the row-per-slot caches of
@@ -168,3 +187,12 @@ class NvidiaAttention:
     ) -> torch.Tensor:
         """PyTorch reference code (not a kernel)."""
         return self._torch.indexer_topk(q, weights, keys, keys_spec, meta, top_k=top_k, scale=scale)
+
+    def indexer_select(
+        self, q, weights, keys, keys_spec, meta, *, top_k, scale, within=None, block_size=1, top_blocks=0
+    ):
+        """PyTorch reference code (not a kernel): DeepSeek-V4.1's indexer."""
+        return self._torch.indexer_select(
+            q, weights, keys, keys_spec, meta, top_k=top_k, scale=scale,
+            within=within, block_size=block_size, top_blocks=top_blocks,
+        )  # fmt: skip

@@ -12,7 +12,7 @@ import os
 
 import torch
 
-from deepinfer_core.backend import API_VERSION, V41_OPS, BackendInfo, Capabilities, DeviceFacts, ProbeResult, hookimpl
+from deepinfer_core.backend import API_VERSION, BackendInfo, Capabilities, DeviceFacts, ProbeResult, hookimpl
 from deepinfer_core.kv.layout import CacheKind
 
 DEEPINFER_API_VERSION = API_VERSION
@@ -20,13 +20,11 @@ MIN_COMPUTE_CAPABILITY = (9, 0)  # SM90 (Hopper); SM100-only paths are gated sep
 
 # Not an op: a caveat of the batch-invariant mode, reported beside the unsupported ops (nothing asks for it).
 _V4_BATCH_INVARIANCE = (
-    "DeepSeek-V4's sparse_attention and indexer_topk run as the reference's PyTorch code on the GPU "
-    "(correctness first, no kernels yet), and hc_pre normalises with torch ops: per-sequence loops and torch "
-    "reductions whose results may depend on the batch and the prefill chunking, so batch-invariant mode "
-    "covers DeepSeek V2/V3 models only"
+    "DeepSeek-V4's sparse_attention and indexer_topk (and DeepSeek-V4.1's ops) run as the reference's PyTorch "
+    "code on the GPU (correctness first, no kernels yet), and hc_pre normalises with torch ops: per-sequence "
+    "loops and torch reductions whose results may depend on the batch and the prefill chunking, so "
+    "batch-invariant mode covers DeepSeek V2/V3 models only"
 )
-# NvidiaOps / NvidiaAttention do not subclass the reference: nothing of V41_OPS is inherited
-_V41_NOT_YET = "DeepSeek-V4.1 op not implemented yet: DeepSeek-V4.1 runs on the cpu reference backend for now"
 
 
 @hookimpl
@@ -54,8 +52,8 @@ def deepinfer_backend_capabilities():
         communicators=("in_process",),
         weight_formats=("fp8_block",),  # DeepSeek's FP8 weights stay FP8 in memory (half the bytes to read)
         # V4_OPS are all supported: Triton kernels but for sparse_attention and indexer_topk, which run as
-        # PyTorch reference code for now (ops.NvidiaOps, ops.NvidiaAttention)
-        unsupported=(("v4_batch_invariance", _V4_BATCH_INVARIANCE), *((op, _V41_NOT_YET) for op in V41_OPS)),
+        # PyTorch reference code for now, as do V41_OPS (ops.NvidiaOps, ops.NvidiaAttention)
+        unsupported=(("v4_batch_invariance", _V4_BATCH_INVARIANCE),),
     )
 
 
