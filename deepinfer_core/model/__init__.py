@@ -16,6 +16,7 @@ from deepinfer_core.model.deepseek_v3 import FLOAT32_WEIGHTS, FP8_WEIGHTS, Deeps
 from deepinfer_core.model.deepseek_v4 import FLOAT32_WEIGHTS_V4, DeepseekV4Model, expected_weights_v4
 from deepinfer_core.model.deepseek_v41 import FLOAT32_WEIGHTS_V41, DeepseekV41Model, expected_weights_v41, token_map_for
 from deepinfer_core.model.loader import CheckpointError, load_tensors, read_config
+from deepinfer_core.model.v41_names import v41_spellings
 
 __all__ = ["load_deepseek", "load_deepseek_v4", "load_deepseek_v41", "load_model", "model_registry"]
 
@@ -38,7 +39,15 @@ def load_deepseek_v4(path: Path, raw_config: dict[str, Any], backend: ResolvedBa
 def load_deepseek_v41(path: Path, raw_config: dict[str, Any], backend: ResolvedBackend, progress: bool = True):
     config = DeepseekV41Config.from_hf(raw_config)
     token_map = token_map_for(config, path)  # before loading: a wrong tokenizer fails at once
-    weights = load_tensors(path, raw_config, expected_weights_v41(config), backend.dtype, FLOAT32_WEIGHTS_V41, progress)
+    weights = load_tensors(
+        path,
+        raw_config,
+        expected_weights_v41(config),
+        backend.dtype,
+        FLOAT32_WEIGHTS_V41,
+        progress,
+        spellings=v41_spellings(config),  # ours, DeepSeek-native or newer-transformers names
+    )
     return DeepseekV41Model(config, weights, backend, token_map)
 
 

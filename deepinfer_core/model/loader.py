@@ -3,6 +3,8 @@
 DeepSeek's official FP8 checkpoints store `W` as float8_e4m3fn with `W_scale_inv` holding one float32
 multiplier per [128, 128] block. Tensors the caller names in `keep_fp8` stay in that format (as
 ops.BlockFP8) for backends that compute with it; every other FP8 tensor is dequantized here (W * scale).
+A model whose checkpoints come in several spellings passes `spellings`: where each tensor it needs may be
+stored, under another name or as one slice of a stacked tensor.
 """
 
 from __future__ import annotations
@@ -10,8 +12,10 @@ from __future__ import annotations
 import json
 import logging
 import re
-from collections.abc import Mapping
+from collections import Counter
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import ExitStack
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +26,7 @@ from tqdm import tqdm
 from deepinfer_core.backend.ops import BlockFP8
 from deepinfer_core.errors import DeepInferError
 
-__all__ = ["CheckpointError", "dequantize_fp8_blocks", "load_tensors", "read_config"]
+__all__ = ["CheckpointError", "Spellings", "StoredTensor", "dequantize_fp8_blocks", "load_tensors", "read_config"]
 
 log = logging.getLogger(__name__)
 INDEX_FILE = "model.safetensors.index.json"
@@ -31,6 +35,31 @@ _UNSUPPORTED_FP8 = (torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2f
 
 class CheckpointError(DeepInferError):
     """The checkpoint on disk is missing something or holds something of the wrong shape."""
+
+
+@dataclass(frozen=True, slots=True)
+class StoredTensor:
+    """Where a checkpoint may keep a tensor the model needs: a stored name, or one slice of it (`index`,
+    e.g. `(e, slice(0, I))` for expert e's rows of a stacked [E, 2I, D] tensor). A slice's `stacked_shape`
+    is the whole stored tensor's, checked first: a stack of other sizes could still slice to the right shape."""
+
+    name: str
+    index: tuple[int | slice, ...] = ()
+    stacked_shape: tuple[int, ...] | None = None
+
+    def __str__(self) -> str:  # as in error messages: name[3, 0:16]
+        if not self.index:
+            return self.name
+        parts = (f"{i.start or ''}:{i.stop or ''}" if isinstance(i, slice) else str(i) for i in self.index)
+        return f"{self.name}[{', '.join(parts)}]"
+
+
+# model tensor name -> the places a checkpoint may keep it, in order of preference
+Spellings = Callable[[str], Sequence[StoredTensor]]
+
+
+def _as_stored(name: str) -> Sequence[StoredTensor]:
+    return (StoredTensor(name),)
 
 
 def read_config(path: Path) -> dict[str, Any]:
@@ -79,11 +108,44 @@ def _fp8_block(config: Mapping[str, Any]) -> tuple[int, int] | None:
     return int(block[0]), int(block[1])
 
 
-def _check_shape(name: str, file: Path, tensor: torch.Tensor, shape: tuple[int, ...]) -> None:
-    if tuple(tensor.shape) != tuple(shape):
+def _check_shape(name: str, file: Path, actual: Sequence[int], shape: tuple[int, ...]) -> None:
+    if tuple(actual) != tuple(shape):
         raise CheckpointError(
-            f"tensor {name} in {file.name} has shape {tuple(tensor.shape)}, but the config implies {tuple(shape)}"
+            f"tensor {name} in {file.name} has shape {tuple(actual)}, but the config implies {tuple(shape)}"
         )
+
+
+def _locate(
+    path: Path, expected: Mapping[str, Any], files: Mapping[str, Path], spellings: Spellings
+) -> dict[str, StoredTensor]:
+    """Model tensor name -> the first of its spellings the checkpoint holds. Names none of whose spellings
+    are there are reported in the spelling most of the checkpoint's other tensors use."""
+    found: dict[str, StoredTensor] = {}
+    missing: list[Sequence[StoredTensor]] = []
+    used: Counter[int] = Counter()  # which spelling (position in the list) the found tensors use
+    for name in expected:
+        options = spellings(name)
+        hit = next((i for i, option in enumerate(options) if option.name in files), None)
+        if hit is None:
+            missing.append(options)
+        else:
+            found[name] = options[hit]
+            used[hit] += 1
+    if missing:
+        usual = used.most_common(1)[0][0] if used else 0
+        names = list(dict.fromkeys(options[min(usual, len(options) - 1)].name for options in missing))
+        shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+        raise CheckpointError(f"checkpoint {path} is missing {len(names)} tensor(s) the model needs: {shown}")
+    return found
+
+
+def _read(f: Any, stored: StoredTensor, file: Path) -> torch.Tensor:
+    if not stored.index:
+        return f.get_tensor(stored.name)
+    whole = f.get_slice(stored.name)
+    if stored.stacked_shape is not None:
+        _check_shape(stored.name, file, whole.get_shape(), stored.stacked_shape)
+    return whole[stored.index]  # reads only the slice, not the whole stacked tensor
 
 
 def load_tensors(
@@ -94,15 +156,14 @@ def load_tensors(
     keep_float32: re.Pattern[str] | None = None,
     progress: bool = True,
     keep_fp8: re.Pattern[str] | None = None,
+    spellings: Spellings | None = None,
 ) -> dict[str, torch.Tensor | BlockFP8]:
     """Load exactly the tensors in `expected` (name -> shape), checking each shape, cast to `dtype`
     (names matching `keep_float32` stay float32; FP8 tensors matching `keep_fp8` stay FP8, as BlockFP8).
-    Extra tensors in the checkpoint are skipped."""
+    `spellings` says where the checkpoint may keep each (default: under that very name); the result is
+    keyed by the model's names either way. Extra tensors in the checkpoint are skipped."""
     files = _tensor_files(path)
-    missing = [name for name in expected if name not in files]
-    if missing:
-        shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
-        raise CheckpointError(f"checkpoint {path} is missing {len(missing)} tensor(s) the model needs: {shown}")
+    where = _locate(path, expected, files, spellings or _as_stored)
     block = _fp8_block(config)
     tensors: dict[str, torch.Tensor] = {}
     bar = tqdm(total=len(expected), desc="Loading weights", unit="tensor", disable=not progress, leave=False)
@@ -115,21 +176,28 @@ def load_tensors(
             return opened[file]
 
         for name, shape in expected.items():
-            tensor = handle(files[name]).get_tensor(name)
+            stored = where[name]
+            file = files[stored.name]
+            tensor = _read(handle(file), stored, file)
             if tensor.dtype in _UNSUPPORTED_FP8:
-                raise CheckpointError(f"tensor {name} is {tensor.dtype}; only float8_e4m3fn weights are supported")
+                raise CheckpointError(f"tensor {stored} is {tensor.dtype}; only float8_e4m3fn weights are supported")
             if tensor.dtype == torch.float8_e4m3fn:
-                scale_name = name + "_scale_inv"
+                scale_name = stored.name + "_scale_inv"
+                if stored.index:
+                    raise CheckpointError(
+                        f"tensor {stored.name} is a stack of FP8 weights; FP8 loads only unstacked (one tensor "
+                        "per weight, with its _scale_inv beside it): convert the checkpoint or store it in bf16"
+                    )
                 if block is None or scale_name not in files:
-                    raise CheckpointError(f"tensor {name} is FP8 but {scale_name} / quantization_config is missing")
+                    raise CheckpointError(f"tensor {stored} is FP8 but {scale_name} / quantization_config is missing")
                 scale = handle(files[scale_name]).get_tensor(scale_name)
                 if keep_fp8 is not None and keep_fp8.search(name):
-                    _check_shape(name, files[name], tensor, shape)
+                    _check_shape(str(stored), file, tensor.shape, shape)
                     tensors[name] = BlockFP8(tensor, scale.float(), block)
                     bar.update()
                     continue
                 tensor = dequantize_fp8_blocks(tensor, scale, block)
-            _check_shape(name, files[name], tensor, shape)
+            _check_shape(str(stored), file, tensor.shape, shape)
             if not tensor.is_floating_point():  # integer tables (V4's tid2eid) stay as stored
                 tensors[name] = tensor
                 bar.update()
@@ -138,7 +206,8 @@ def load_tensors(
             tensors[name] = tensor.to(torch.float32 if keep else dtype)
             bar.update()
     bar.close()
-    unused = [n for n in files if n not in expected and not n.endswith("_scale_inv")]
+    read = {stored.name for stored in where.values()}
+    unused = [n for n in files if n not in read and not n.endswith("_scale_inv")]
     if unused:
         log.debug("skipped %d checkpoint tensors the model does not use (e.g. %s)", len(unused), unused[0])
     return tensors
