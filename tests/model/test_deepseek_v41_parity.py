@@ -147,3 +147,25 @@ def test_greedy_continuations_match_the_reference(case):
     outputs = llm.generate(meta["prefill"]["prompts"], params)
     for i, name in enumerate(meta["greedy"]["token_ids"]):
         assert list(outputs[i].outputs[0].token_ids) == want[name].tolist(), f"{case} prompt {i}"
+
+
+def test_a_backend_without_the_v41_ops_refuses_the_model_with_its_reasons(backend):
+    """ascend950 declares V41_OPS unsupported (with a reason): a V4.1 model is refused there, naming them."""
+    import dataclasses
+
+    from deepinfer_ascend950 import plugin as ascend
+    from deepinfer_core.backend.ops import V41_OPS
+    from deepinfer_core.model.config_v41 import DeepseekV41Config
+    from deepinfer_core.model.deepseek_v4 import UnsupportedModelError
+    from deepinfer_core.model.deepseek_v41 import check_backend
+
+    caps = ascend.deepinfer_backend_capabilities()
+    reasons = dict(caps.unsupported)
+    assert set(V41_OPS) <= set(reasons)
+    npu_like = dataclasses.replace(backend, capabilities=caps)
+    cfg = DeepseekV41Config.from_hf(json.loads((FIXTURES / "engram_top1" / "config.json").read_text()))
+    with pytest.raises(UnsupportedModelError) as refused:
+        check_backend(cfg, npu_like)
+    message = str(refused.value)
+    assert "cannot run DeepSeek-V4.1" in message
+    assert all(f"{op} ({reasons[op]})" in message for op in V41_OPS)
