@@ -116,6 +116,23 @@ def test_moe_route(suite, check, tokens, routing):
     check.close(our_w.gather(1, our_order), ref_w.gather(1, ref_order), torch.float32, what="routing weights")
 
 
+@pytest.mark.parametrize("logits_dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("routing", list(ROUTINGS), ids=str)
+def test_moe_route_planted_ties(suite, check, routing, logits_dtype):
+    """Exact ties (logits from a few values; equal groups too): the contract sends them to the lower expert
+    and the lower group, so the chosen experts are the same set on every backend."""
+    suite.require("moe_route")
+    ours, ref = suite.pair(torch.float32)
+    config = ROUTINGS[routing]
+    g = torch.Generator().manual_seed(21)
+    logits = (torch.randint(0, 3, (37, 16), generator=g).float() * 0.5).to(logits_dtype)  # values 0, 0.5, 1
+    logits[0] = 0.0  # every expert and every group ties
+    bias = torch.zeros(16) if config.method == "noaux_tc" else None
+    our_w, our_ids = run(ours, "moe_route", logits, config, bias)
+    ref_w, ref_ids = run(ref, "moe_route", logits, config, bias)
+    check.equal(our_ids.sort(dim=1).values.long(), ref_ids.sort(dim=1).values.long(), what="chosen experts")
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("counts", [[3, 0, 5, 1], [0, 0, 0, 1], [64, 1, 0, 235]], ids=["ragged", "one_row", "long"])
 def test_expert_ffn(suite, check, dtype, counts):
