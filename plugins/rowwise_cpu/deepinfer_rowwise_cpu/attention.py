@@ -1,14 +1,15 @@
-"""Attention (deepinfer_core.backend.ops.AttentionOps and V4AttentionOps) over HeadMajorKVLayout, one query row
-at a time with an online (flash-style) softmax; imports only torch, deepinfer_core.backend and
+"""Attention (deepinfer_core.backend.ops.AttentionOps, V4AttentionOps and V41AttentionOps) over HeadMajorKVLayout,
+one query row at a time with an online (flash-style) softmax; imports only torch, deepinfer_core.backend and
 deepinfer_core.kv.layout.
 
 For each query row the entries it may see are visited in chunks, keeping a running max m, running sum l
 and a rescaled accumulator in float32 (`_OnlineSoftmax`). paged_attention walks the sequence's blocks in
 order; DeepSeek-V4's sparse_attention walks the sliding window (ring entries of earlier steps and this
 step's entries, in position order), then the compressed entries block by block, then folds in the sink
-logit; indexer_topk scores the visible compressed entries block by block. A row's arithmetic depends only
-on its own position and the cached entries, never on the other rows of the step: batch-invariant and
-chunk-invariant.
+logit; indexer_topk scores the visible compressed entries block by block, and DeepSeek-V4.1's indexer_select
+ranks the same scores (optionally only the entries of listed blocks) and blocks of entries by their best
+score, ties to the lower entry or block (stable sorts). A row's arithmetic depends only on its own position
+and the cached entries, never on the other rows of the step: batch-invariant and chunk-invariant.
 """
 
 from __future__ import annotations
@@ -21,6 +22,36 @@ from deepinfer_rowwise_cpu.kernels import fresh_row
 from deepinfer_rowwise_cpu.kv import HeadMajorKVLayout
 
 __all__ = ["OnlineSoftmaxAttention"]
+
+
+def _query_rows(meta: AttentionMetadata):
+    """Yield (token row t, its sequence's block table, its position) for every query of the step, sequence by
+    sequence; the step's last query of a sequence sits at seq_len - 1."""
+    starts = meta.query_start_loc.tolist()
+    for b, seq_len in enumerate(meta.seq_lens.tolist()):
+        q_start, q_end = starts[b], starts[b + 1]
+        if q_end == q_start:
+            continue  # no queries for this sequence in this step
+        table = meta.block_tables[b].tolist()
+        for t in range(q_start, q_end):
+            yield t, table, seq_len - (q_end - t)
+
+
+def _best(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """The (up to) k best positions of scores [n], best first. A stable sort keeps equal scores in position
+    order, so ties go to the lower position: the contract's tie rule, whatever the chunking."""
+    return torch.sort(scores, descending=True, stable=True).indices[:k]
+
+
+def _best_blocks(scores: torch.Tensor, block_size: int, top_blocks: int) -> torch.Tensor:
+    """One query's entry scores [C] (C >= 1) -> up to top_blocks block ids: first the block of the newest
+    entry C - 1 (always kept), then the other blocks by their best entry's score, ties to the lower block."""
+    count = -(-scores.shape[0] // block_size)  # blocks with a visible entry; the last one is the newest's
+    padded = torch.full((count * block_size,), float("-inf"), device=scores.device)
+    padded[: scores.shape[0]] = scores
+    block_scores = padded.view(count, block_size).amax(dim=1)  # [NB]: every block has one finite score
+    newest = torch.tensor([count - 1], device=scores.device)
+    return torch.cat([newest, _best(block_scores[: count - 1], top_blocks - 1)])
 
 
 class _OnlineSoftmax:
@@ -56,7 +87,7 @@ class _OnlineSoftmax:
 
 
 class OnlineSoftmaxAttention:
-    """Implements AttentionOps and V4AttentionOps over HeadMajorKVLayout, one query row at a time."""
+    """Implements AttentionOps, V4AttentionOps and V41AttentionOps over HeadMajorKVLayout, one query row at a time."""
 
     def __init__(self, layout: HeadMajorKVLayout) -> None:
         if not isinstance(layout, HeadMajorKVLayout):
@@ -205,6 +236,29 @@ class OnlineSoftmaxAttention:
             entries = self.layout.block(cache, table[j], per_block)  # [1, per_block, D]
             yield fresh_row(entries[:, torch.tensor(offsets, device=cache.device)])  # [1, n, D]
 
+    def _index_scores(
+        self,
+        q_row: torch.Tensor,
+        gains_row: torch.Tensor,
+        keys: torch.Tensor,
+        spec: CacheSpec,
+        table: list[int],
+        visible: int,
+        scale: float,
+    ) -> torch.Tensor:
+        """One query's indexer scores [visible] float32 over its sequence's compressed keys 0..visible-1, block by
+        block: score_w = sum_h gains_h relu(q_h . k_w) * scale, for q_row [Hi, Di] and gains_row [Hi]."""
+        per_block = spec.entries_per_block(self.layout.block_size)
+        query = fresh_row(q_row).t()  # [Di, Hi]
+        gains = fresh_row(gains_row)  # [Hi]
+        scores = torch.empty(visible, device=query.device)  # [C] float32
+        for j in range(-(-visible // per_block)):
+            n = min(per_block, visible - j * per_block)
+            entries = fresh_row(self.layout.block(keys, table[j], n)[0])  # [n, Di]
+            per_head = torch.relu(torch.mm(entries, query)) * scale  # [n, Hi]
+            scores[j * per_block : j * per_block + n] = torch.mv(per_head, gains)  # sum_h w_h relu(.)
+        return scores
+
     def indexer_topk(
         self,
         q: torch.Tensor,
@@ -219,25 +273,47 @@ class OnlineSoftmaxAttention:
         if keys_spec.kind is not CacheKind.PAGED:
             raise ValueError(f"indexer_topk reads a PAGED cache of compressed keys, not {keys_spec.kind.value}")
         out = torch.full((q.shape[0], top_k), -1, dtype=torch.int64, device=q.device)  # [T, top_k]
-        per_block = keys_spec.entries_per_block(self.layout.block_size)
-        starts = meta.query_start_loc.tolist()
-        for b, seq_len in enumerate(meta.seq_lens.tolist()):
-            q_start, q_end = starts[b], starts[b + 1]
-            table = meta.block_tables[b].tolist()
-            for t in range(q_start, q_end):
-                pos = seq_len - (q_end - t)  # the query's position: the step's last query sits at seq_len - 1
-                visible = (pos + 1) // keys_spec.compress_rate  # it sees entries w < (pos + 1) // m
-                if visible == 0:
-                    continue
-                query = fresh_row(q[t]).t()  # [Di, Hi]
-                gains = fresh_row(weights[t])  # [Hi]
-                scores = torch.empty(visible, device=q.device)  # [C] float32
-                for j in range(-(-visible // per_block)):
-                    n = min(per_block, visible - j * per_block)
-                    entries = fresh_row(self.layout.block(keys, table[j], n)[0])  # [n, Di]
-                    per_head = torch.relu(torch.mm(entries, query)) * scale  # [n, Hi]
-                    scores[j * per_block : j * per_block + n] = torch.mv(per_head, gains)  # sum_h w_h relu(.)
-                # best first; a stable sort keeps equal scores in entry order: the lower entry wins ties
-                order = torch.sort(scores, descending=True, stable=True).indices[:top_k]
+        for t, table, pos in _query_rows(meta):
+            visible = (pos + 1) // keys_spec.compress_rate  # it sees entries w < (pos + 1) // m
+            if visible:
+                order = _best(self._index_scores(q[t], weights[t], keys, keys_spec, table, visible, scale), top_k)
                 out[t, : order.shape[0]] = order
         return out
+
+    # ------------------------------------------------------------------ DeepSeek-V4.1 (V41AttentionOps)
+
+    def indexer_select(
+        self,
+        q: torch.Tensor,
+        weights: torch.Tensor,
+        keys: torch.Tensor,
+        keys_spec: CacheSpec,
+        meta: AttentionMetadata,
+        *,
+        top_k: int,
+        scale: float,
+        within: torch.Tensor | None = None,
+        block_size: int = 1,
+        top_blocks: int = 0,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if keys_spec.kind is not CacheKind.PAGED:
+            raise ValueError(f"indexer_select reads a PAGED cache of compressed keys, not {keys_spec.kind.value}")
+        tokens = q.shape[0]
+        indices = torch.full((tokens, top_k), -1, dtype=torch.int64, device=q.device)  # [T, top_k]
+        blocks = torch.full((tokens, top_blocks), -1, dtype=torch.int64, device=q.device) if top_blocks else None
+        for t, table, pos in _query_rows(meta):
+            visible = (pos + 1) // keys_spec.compress_rate
+            if visible == 0:
+                continue  # no candidates and no block with a visible entry
+            scores = self._index_scores(q[t], weights[t], keys, keys_spec, table, visible, scale)  # [C]
+            if blocks is not None:  # from every visible entry, whatever `within` lists
+                kept = _best_blocks(scores, block_size, top_blocks)
+                blocks[t, : kept.shape[0]] = kept
+            if within is None:
+                picks = _best(scores, top_k)
+            else:  # only the entries of the listed blocks (-1 lists none)
+                listed = torch.isin(torch.arange(visible, device=q.device) // block_size, within[t])  # [C]
+                candidates = listed.nonzero().squeeze(1)  # [n], increasing: ties still go to the lower entry
+                picks = candidates[_best(scores[candidates], top_k)]
+            indices[t, : picks.shape[0]] = picks
+        return indices, blocks

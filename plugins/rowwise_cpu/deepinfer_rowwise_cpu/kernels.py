@@ -1,5 +1,5 @@
-"""The op table (deepinfer_core.backend.ops.Ops) computed one token row at a time; imports only torch and the
-contract types of deepinfer_core.backend.
+"""The op table (deepinfer_core.backend.ops.Ops) computed one token row at a time; imports only torch, the
+contract types of deepinfer_core.backend and this package's block formats.
 
 Batch invariance by construction: every op loops over rows and gives each row a fresh, contiguous float32
 copy (same shape, same alignment, same kernel call whatever the batch), so a row's result is the same
@@ -11,7 +11,10 @@ linear steps). moe_route returns float32 weights, as the contract says.
 
 DeepSeek-V4's dense ops are here too: the swiglu limit of silu_and_mul / expert_ffn, sqrtsoftplus scoring
 and hash routing in moe_route, and the hyper-connection and compressor ops hc_pre, hc_post and
-softmax_pool (deepinfer_core.backend.ops.V4Ops), each one row at a time like the rest.
+softmax_pool (deepinfer_core.backend.ops.V4Ops), each one row at a time like the rest. So are DeepSeek-V4.1's
+(V41Ops): hc_mixes (hc_pre's weights without the collapse), hc_collapse (hc_pre's collapse, the same kernel
+call), hc_expand (hc_post's formula in float32 with one rounding at the end), round_to_format (each row's
+blocks through formats.round_blocks) and engram_gate.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from __future__ import annotations
 import torch
 
 from deepinfer_core.backend.ops import RoutingConfig
+from deepinfer_rowwise_cpu.formats import block_channels, round_blocks
 
 __all__ = ["RowwiseOps", "fresh_row"]
 
@@ -69,8 +73,36 @@ def _sinkhorn(comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
     return comb
 
 
+def _hc_weights(
+    r: torch.Tensor,
+    mixer: torch.Tensor,
+    s: torch.Tensor,
+    b: torch.Tensor,
+    n: int,
+    sinkhorn_iters: int,
+    eps: float,
+    norm_eps: float,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """One token's N streams side by side r [N D] float32 -> its hyper-connection weights pre [N], post [N] and
+    comb [N, N] (post and comb None for the head's mixer [N, N D], which makes pre alone)."""
+    inv = torch.rsqrt(torch.dot(r, r) / r.numel() + norm_eps)  # 0-d: rms without weight
+    mixes = torch.mv(mixer, r * inv)  # [(2 + N) N] or [N]
+    pre = torch.sigmoid(mixes[:n] * s[0] + b[:n]) + eps  # [N]
+    if mixer.shape[0] == n:
+        return pre, None, None
+    post = 2 * torch.sigmoid(mixes[n : 2 * n] * s[1] + b[n : 2 * n])  # [N]
+    logits = (mixes[2 * n :] * s[2] + b[2 * n :]).view(n, n)  # [N, N], softmax over the last dim
+    e = torch.exp(logits - logits.amax(dim=1, keepdim=True))
+    return pre, post, _sinkhorn(e / e.sum(dim=1, keepdim=True) + eps, sinkhorn_iters, eps)
+
+
+def _collapse(r: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
+    """One token's streams r [N, D] float32 and weights pre [N] -> sum_n pre_n r_n [D] float32 (one mv)."""
+    return torch.mv(r.t(), pre)
+
+
 class RowwiseOps:
-    """Implements Ops and V4Ops. Every loop below is over token rows; nothing is batched across rows."""
+    """Implements Ops, V4Ops and V41Ops. Every loop below is over token rows; nothing is batched across rows."""
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])  # [T, D]
@@ -212,16 +244,11 @@ class RowwiseOps:
         post = torch.empty(tokens, n, device=streams.device) if full else None  # [T, N] float32
         comb = torch.empty(tokens, n, n, device=streams.device) if full else None  # [T, N, N] float32
         for t in range(tokens):
-            r = fresh_row(streams[t]).view(n * dim)  # [N D]: the N streams side by side
-            inv = torch.rsqrt(torch.dot(r, r) / r.numel() + norm_eps)  # 0-d: rms without weight
-            mixes = torch.mv(mixer, r * inv)  # [(2 + N) N] or [N]
-            pre = torch.sigmoid(mixes[:n] * s[0] + b[:n]) + eps  # [N]
-            collapsed[t] = torch.mv(r.view(n, dim).t(), pre).to(streams.dtype)  # sum_n pre_n streams_n: [D]
+            r = fresh_row(streams[t])  # [N, D]
+            pre, row_post, row_comb = _hc_weights(r.view(n * dim), mixer, s, b, n, sinkhorn_iters, eps, norm_eps)
+            collapsed[t] = _collapse(r, pre).to(streams.dtype)
             if full:
-                post[t] = 2 * torch.sigmoid(mixes[n : 2 * n] * s[1] + b[n : 2 * n])
-                logits = (mixes[2 * n :] * s[2] + b[2 * n :]).view(n, n)  # [N, N], softmax over the last dim
-                e = torch.exp(logits - logits.amax(dim=1, keepdim=True))
-                comb[t] = _sinkhorn(e / e.sum(dim=1, keepdim=True) + eps, sinkhorn_iters, eps)
+                post[t], comb[t] = row_post, row_comb
         return collapsed, post, comb
 
     def hc_post(
@@ -250,4 +277,87 @@ class RowwiseOps:
             weights = (e / e.sum(dim=0, keepdim=True)).to(dtype)  # [S, D]
             weighted = (weights.float() * fresh_row(values[i])).to(dtype)  # [S, D]
             out[i] = weighted.float().sum(dim=0).to(dtype)
+        return out
+
+    # ------------------------------------------------------------------ DeepSeek-V4.1 (V41Ops)
+
+    def hc_mixes(
+        self,
+        streams: torch.Tensor,
+        fn: torch.Tensor,
+        scale: torch.Tensor,
+        base: torch.Tensor,
+        *,
+        sinkhorn_iters: int,
+        eps: float,
+        norm_eps: float,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        tokens, n, dim = streams.shape  # [T, N, D]
+        if fn.shape[0] != (2 + n) * n:
+            raise ValueError(
+                f"hc_mixes takes a layer's mixer fn [(2 + N) N, N D] = [{(2 + n) * n}, {n * dim}] for {n} streams, "
+                f"not {list(fn.shape)} (the head's [N, N D] form goes to hc_pre)"
+            )
+        mixer, s, b = fn.float().contiguous(), scale.float(), base.float()
+        pre = torch.empty(tokens, n, device=streams.device)  # [T, N] float32
+        post = torch.empty(tokens, n, device=streams.device)  # [T, N] float32
+        comb = torch.empty(tokens, n, n, device=streams.device)  # [T, N, N] float32
+        for t in range(tokens):
+            r = fresh_row(streams[t]).view(n * dim)  # [N D]: the N streams side by side
+            pre[t], post[t], comb[t] = _hc_weights(r, mixer, s, b, n, sinkhorn_iters, eps, norm_eps)
+        return pre, post, comb
+
+    def hc_collapse(self, streams: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
+        # the same kernel call as hc_pre's collapse: bitwise equal to it for the same pre
+        out = torch.empty(streams.shape[0], streams.shape[2], dtype=streams.dtype, device=streams.device)  # [T, D]
+        for t in range(streams.shape[0]):
+            out[t] = _collapse(fresh_row(streams[t]), fresh_row(pre[t])).to(streams.dtype)
+        return out
+
+    def hc_expand(
+        self, block_out: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, comb: torch.Tensor
+    ) -> torch.Tensor:
+        # out_k = post_k * block_out + sum_j comb[j, k] streams_j, all float32, rounded once (unlike hc_post)
+        out = torch.empty_like(streams)  # [T, N, D]
+        for t in range(streams.shape[0]):
+            mixed = torch.mm(fresh_row(comb[t]).t(), fresh_row(streams[t]))  # [N, D]: sum_j comb[j, k] streams_j
+            scaled = fresh_row(post[t])[:, None] * fresh_row(block_out[t])[None, :]  # [N, D]
+            out[t] = (scaled + mixed).to(streams.dtype)
+        return out
+
+    def round_to_format(self, x: torch.Tensor, fmt: str) -> torch.Tensor:
+        block = block_channels(fmt)
+        if x.shape[-1] % block:
+            raise ValueError(
+                f"{fmt} rounds blocks of {block} channels along the last dim, which is {x.shape[-1]} here: "
+                f"pass a tensor whose last dim is a multiple of {block}"
+            )
+        rows = x.reshape(-1, x.shape[-1])  # [R, L]: every leading index is a row
+        out = torch.empty(rows.shape, dtype=x.dtype, device=x.device)
+        for i in range(rows.shape[0]):
+            stored = round_blocks(fresh_row(rows[i]).view(-1, block), fmt)  # [L / block, block] float32
+            out[i] = stored.view(-1).to(x.dtype)  # exact: every stored value is a bfloat16
+        return out.view(x.shape)
+
+    def engram_gate(
+        self,
+        streams: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        weight: torch.Tensor,
+        dead: torch.Tensor,
+        *,
+        eps: float,
+    ) -> torch.Tensor:
+        dim = streams.shape[2]
+        w = weight.float()  # [N, D]: q_weight * k_weight
+        out = torch.empty_like(streams)  # [T, N, D]
+        for t, is_dead in enumerate(dead.bool().tolist()):
+            h, k = fresh_row(streams[t]), fresh_row(key[t])  # [N, D] each
+            rstd = torch.rsqrt((h * h).mean(dim=1) + eps) * torch.rsqrt((k * k).mean(dim=1) + eps)  # [N]
+            dot = (h * w * k).sum(dim=1) * rstd * dim**-0.5  # [N]
+            gate = torch.sigmoid(torch.sign(dot) * torch.sqrt(torch.clamp(dot.abs(), min=1e-6)))  # [N]
+            if is_dead:  # pad / image tokens take nothing from the memory
+                gate = torch.zeros_like(gate)
+            out[t] = (h + gate[:, None] * fresh_row(value[t])[None, :]).to(streams.dtype)  # one rounding
         return out

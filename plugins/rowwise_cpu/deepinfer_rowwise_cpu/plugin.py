@@ -3,15 +3,15 @@ contract of deepinfer_core.backend and this package.
 
 An example of a third-party backend written from scratch: its own op kernels, KV layout, attention and
 sampler, all processing one token row at a time so that results never depend on the batch. It implements
-every op of the contract up to DeepSeek-V4's (V4_OPS), so it can run V3 and V4 models; DeepSeek-V4.1's
-(V41_OPS) not yet.
+every op of the contract, DeepSeek-V4's (V4_OPS) and DeepSeek-V4.1's (V41_OPS) included, so it can run V3,
+V4 and V4.1 models.
 """
 
 from __future__ import annotations
 
 import torch
 
-from deepinfer_core.backend import API_VERSION, V41_OPS, BackendInfo, Capabilities, DeviceFacts, ProbeResult, hookimpl
+from deepinfer_core.backend import API_VERSION, BackendInfo, Capabilities, DeviceFacts, ProbeResult, hookimpl
 from deepinfer_core.kv.layout import CacheKind
 from deepinfer_rowwise_cpu.attention import OnlineSoftmaxAttention
 from deepinfer_rowwise_cpu.cost import RowwiseCostModel
@@ -22,7 +22,6 @@ from deepinfer_rowwise_cpu.sampler import RowwiseSampler
 DEEPINFER_API_VERSION = API_VERSION
 
 BLOCK_SIZES = (64, 128, 16)  # the first is preferred
-_V41_NOT_YET = "DeepSeek-V4.1 op not implemented yet in rowwise_cpu"
 
 
 @hookimpl
@@ -47,11 +46,8 @@ def deepinfer_backend_capabilities():
         batch_invariant=True,
         deterministic_sampling=True,
         communicators=("in_process", "torch_distributed:gloo"),
-        # every op of OP_NAMES but V41_OPS is supported, V4_OPS included (RowwiseOps / OnlineSoftmaxAttention)
-        unsupported=(
-            ("graph_capture", "rowwise_cpu runs eagerly, one Python loop iteration per token row"),
-            *((op, _V41_NOT_YET) for op in V41_OPS),
-        ),
+        # every op of OP_NAMES is supported, V4_OPS and V41_OPS included (RowwiseOps / OnlineSoftmaxAttention)
+        unsupported=(("graph_capture", "rowwise_cpu runs eagerly, one Python loop iteration per token row"),),
     )
 
 
