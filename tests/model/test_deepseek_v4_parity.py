@@ -10,12 +10,10 @@ import torch
 from deepinfer_core.backend.registry import discover
 from deepinfer_core.backend.resolve import resolve_backend
 from deepinfer_core.backend.selection import select_backend
-from deepinfer_core.engine.request import Request
-from deepinfer_core.engine.runner import ModelRunner
 from deepinfer_core.model import load_model, model_registry
 from deepinfer_core.model.config_v4 import DeepseekV4Config
 from deepinfer_core.model.deepseek_v4 import DeepseekV4Model
-from deepinfer_core.sampling.params import SamplingParams
+from tests.model.step_runner import garbage_runner, shuffled_requests, step_logits
 
 BLOCK = 16
 NUM_BLOCKS = 40
@@ -44,37 +42,15 @@ def _model(ckpt, backend) -> DeepseekV4Model:
     return model
 
 
-def _requests(prompts, seed: int) -> list[Request]:
-    """Requests on shuffled blocks and sequence slots (not 0..n-1, not in order)."""
-    g = torch.Generator().manual_seed(seed)
-    free = torch.randperm(NUM_BLOCKS, generator=g).tolist()
-    slots = torch.randperm(SEQ_SLOTS, generator=g).tolist()
-    requests = []
-    for i, prompt in enumerate(prompts):
-        request = Request(str(i), None, list(prompt), SamplingParams(), seed=0, arrival=i)
-        request.block_ids = [free.pop() for _ in range(-(-len(prompt) // BLOCK))]
-        request.seq_slot = slots.pop()
-        requests.append(request)
-    return requests
+def _requests(prompts, seed: int):
+    return shuffled_requests(prompts, seed, num_blocks=NUM_BLOCKS, seq_slots=SEQ_SLOTS, block=BLOCK)
 
 
-def _runner(model, backend) -> ModelRunner:
-    runner = ModelRunner(model, backend, NUM_BLOCKS, num_seq_slots=SEQ_SLOTS)
-    g = torch.Generator().manual_seed(99)
-    for cache in (c for layer in runner.caches for c in layer.values()):  # garbage: an unwritten read shows
-        cache.copy_(50 * torch.randn(cache.shape, generator=g))
-    return runner
+def _runner(model, backend):
+    return garbage_runner(model, backend, num_blocks=NUM_BLOCKS, seq_slots=SEQ_SLOTS)
 
 
-@torch.inference_mode()
-def _step_logits(model, runner, scheduled) -> list[torch.Tensor]:
-    """One ragged forward of `scheduled` [(request, tokens)]; per request, logits [tokens, V]."""
-    batch = runner.prepare(scheduled)
-    logits = model.logits(model.forward(batch.token_ids, batch.positions, batch.meta, runner.caches))
-    starts = batch.meta.query_start_loc.tolist()
-    for request, count in scheduled:
-        request.num_computed_tokens += count
-    return [logits[starts[i] : starts[i + 1]] for i in range(len(scheduled))]
+_step_logits = step_logits
 
 
 @torch.no_grad()
