@@ -29,6 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _parity_module():
+    sys.path.insert(0, str(ROOT))  # it imports tests.model.step_runner
     path = ROOT / "tests/model/test_deepseek_v41_parity.py"
     spec = importlib.util.spec_from_file_location("v41_parity", path)
     module = importlib.util.module_from_spec(spec)
