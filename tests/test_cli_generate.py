@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import re
 
+import pytest
+
 
 def test_generate_with_the_demo_model_is_seeded_and_streams(run_cli):
     args = ["generate", "--prompt", "Hello", "--max-tokens", "8", "--seed", "5", "--accelerator", "cpu"]
@@ -85,7 +87,8 @@ def test_a_bad_logging_level_in_the_environment_is_named(capsys, monkeypatch):
 
 
 def test_generate_runs_a_deepseek_v41_checkpoint(run_cli):
-    """A V4.1 folder (the reference-recorded engram_top1 fixture): greedy output starts as the reference's."""
+    """A V4.1 folder (the reference-recorded engram_top1 fixture), its Engram tables in host memory: greedy
+    output starts as the reference's."""
     import json
     from pathlib import Path
 
@@ -95,7 +98,30 @@ def test_generate_runs_a_deepseek_v41_checkpoint(run_cli):
     reference = json.loads((folder / "reference.json").read_text())
     prompt, want = reference["prefill"]["prompts"][1], reference["greedy"]["tokens"][1]
     args = ["generate", str(folder), "--prompt-token-ids", ",".join(map(str, prompt)), "--max-tokens", "8"]
-    result = run_cli([*args, "--temperature", "0", "--ignore-eos", "--accelerator", "cpu", "--dtype", "float32"])
+    args += ["--temperature", "0", "--ignore-eos", "--accelerator", "cpu", "--dtype", "float32"]
+    result = run_cli([*args, "--engram-placement", "host", "--log-level", "info"])
     assert result.returncode == 0, result.stderr
     assert "8 tokens, finish reason length" in result.stderr
+    assert "engram tables (0.00 GiB): host memory (engram_placement host)" in result.stderr
     assert result.stdout.startswith(Tokenizer.from_file(str(folder / "tokenizer.json")).decode(want[:2]))
+
+
+def test_generate_takes_the_engram_placement_and_refuses_others(monkeypatch, capsys):
+    from deepinfer_core.cli import main
+    from deepinfer_core.engine import llm
+
+    class Loaded(Exception):
+        pass
+
+    def loading(**kwargs):
+        raise Loaded(kwargs["engram_placement"])
+
+    monkeypatch.setattr(llm, "LLM", loading)
+    with pytest.raises(SystemExit) as refused:  # argparse's refusal, before anything loads
+        main(["generate", "--prompt", "Hi", "--engram-placement", "gpu"])
+    assert refused.value.code == 2
+    assert "argument --engram-placement: invalid choice: 'gpu'" in capsys.readouterr().err
+    with pytest.raises(Loaded, match="^auto$"):
+        main(["generate", "--prompt", "Hi"])
+    with pytest.raises(Loaded, match="^host$"):
+        main(["generate", "--prompt", "Hi", "--engram-placement", "host"])

@@ -11,6 +11,7 @@ from typing import Any
 from deepinfer_core.backend.selection import ENV_VAR
 from deepinfer_core.cli.logging_setup import LEVELS, LOGGING_ENV_VAR
 from deepinfer_core.errors import DeepInferError
+from deepinfer_core.model.v41_engram import ENGRAM_PLACEMENTS
 
 __all__ = [
     "DTYPES",
@@ -148,6 +149,15 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
         type=human_readable_int,
         default=None,
         help="context limit in tokens, e.g. 4096 or 32k (default: the model's)",
+    )
+    p.add_argument(
+        "--engram-placement",
+        type=str.lower,
+        choices=ENGRAM_PLACEMENTS,
+        default="auto",
+        help="where DeepSeek-V4.1's Engram tables live: host memory (each step's rows are copied to the device), "
+        "the device, or auto: the host when they would take over a tenth of the device's memory, the device on a "
+        "cpu backend; other models ignore it",
     )
 
 

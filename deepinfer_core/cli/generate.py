@@ -38,6 +38,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         accelerator=args.accelerator,
         dtype=args.dtype,
         max_model_len=args.max_model_len,
+        engram_placement=args.engram_placement,
         batch_invariant=args.batch_invariant,
         progress=sys.stderr.isatty(),
     )

@@ -66,6 +66,7 @@ def build_state(settings: ServeSettings):
         num_kv_blocks=settings.num_kv_blocks,
         kv_cache_memory_bytes=settings.kv_cache_bytes,
         max_model_len=settings.max_model_len,
+        engram_placement=settings.engram_placement,
         max_num_seqs=settings.max_num_seqs,
         max_num_batched_tokens=settings.max_num_batched_tokens,
         enable_prefix_caching=settings.enable_prefix_caching,

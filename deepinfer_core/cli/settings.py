@@ -24,6 +24,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from deepinfer_core.cli.config_file import ConfigFile
 from deepinfer_core.cli.flags import DTYPES, explicit_values, human_readable_int
 from deepinfer_core.errors import DeepInferError
+from deepinfer_core.model.v41_engram import ENGRAM_PLACEMENTS
 
 __all__ = [
     "ENV_PREFIX",
@@ -97,6 +98,7 @@ GenerationConfig = Annotated[dict, BeforeValidator(generation_config)]
 JsonList = Annotated[list[str], BeforeValidator(json_list)]
 Dtype = Annotated[Literal[DTYPES], BeforeValidator(_lower)]
 KvCacheDtype = Annotated[Literal[KV_CACHE_DTYPES], BeforeValidator(_lower)]
+EngramPlacement = Annotated[Literal[ENGRAM_PLACEMENTS], BeforeValidator(_lower)]
 UvicornLogLevel = Annotated[Literal[UVICORN_LOG_LEVELS], BeforeValidator(_lower)]
 
 
@@ -135,6 +137,7 @@ class ServeSettings(BaseSettings):
     accelerator: str | None = None  # backend/selection.py reads $DEEPINFER_ACCELERATOR the same way
     dtype: Dtype = "auto"
     max_model_len: Count | None = Field(None, ge=1)
+    engram_placement: EngramPlacement = "auto"
     # the engine
     kv_cache_dtype: KvCacheDtype = "auto"
     seed: int | None = Field(None, ge=0)

@@ -28,6 +28,7 @@ from deepinfer_core.model import load_model, model_registry
 from deepinfer_core.model.deepseek_v4 import UnsupportedModelError
 from deepinfer_core.model.demo import DEMO_CONFIG, DEMO_NAME, demo_model
 from deepinfer_core.model.loader import read_config
+from deepinfer_core.model.v41_engram import check_engram_placement
 from deepinfer_core.sampling.params import SamplingParams
 
 __all__ = ["LLM"]
@@ -80,6 +81,10 @@ class LLM:
         of the batch; an error if the backend has no such mode).
     graph_batch_size: decode steps of up to this many sequences replay device graphs where the backend
         can capture them (0: always run eagerly).
+    engram_placement: where DeepSeek-V4.1's Engram tables live: "host" (host memory; each step's rows are
+        copied to the device), "device", or "auto" (the host when the tables would take more than a tenth
+        of the device's memory; the device on a cpu backend, whose device is host memory). Other models
+        ignore it.
     progress: progress bars while the model downloads, is built or loads.
     """
 
@@ -105,6 +110,7 @@ class LLM:
         async_scheduling: bool | None = None,
         batch_invariant: bool = False,
         graph_batch_size: int = 256,
+        engram_placement: str = "auto",
         progress: bool = True,
         backend: ResolvedBackend | None = None,
     ) -> None:
@@ -112,6 +118,7 @@ class LLM:
         parse_dtype(kv_cache_dtype, "kv_cache_dtype", KV_DTYPE_NAMES)
         check_utilization(gpu_memory_utilization)
         at_least_one("block_size", block_size)
+        check_engram_placement(engram_placement)
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**64):
             raise DeepInferError(f"seed must be an integer in [0, 2**64), got {seed!r}")
         config = EngineConfig(  # checks the engine's limits before anything is downloaded or loaded
@@ -133,7 +140,7 @@ class LLM:
         if raw_config.get("max_position_embeddings") is not None:  # the engine checks the built model's again
             context_length(max_model_len, int(raw_config["max_position_embeddings"]))
         discovery = discover()
-        registry = model_registry(discovery.plugin_manager)
+        registry = model_registry(discovery.plugin_manager, engram_placement)
 
         def load(on: ResolvedBackend):
             return demo_model(on, progress) if path is None else load_model(path, on, registry, progress)
@@ -188,7 +195,8 @@ class LLM:
                     "the KV cache is sized by num_kv_blocks / kv_cache_memory_bytes: gpu_memory_utilization is ignored"
                 )
             return DEFAULT_KV_CACHE_BYTES if memory_bytes is None else memory_bytes
-        return kv_budget_from_utilization(utilization, self.backend.device, model_bytes(self.model))
+        weights = model_bytes(self.model, self.backend.torch_device)  # not the tables kept in host memory
+        return kv_budget_from_utilization(utilization, self.backend.device, weights)
 
     # ---- requests -------------------------------------------------------------------------------
 

@@ -23,8 +23,9 @@ def check_utilization(fraction: float | None) -> None:
         )
 
 
-def model_bytes(model) -> int:
-    """Bytes of device memory held by the model's tensors (weights, tables), each storage counted once.
+def model_bytes(model, device: torch.device | None = None) -> int:
+    """Bytes held by the model's tensors (weights, tables) on `device`'s type (default: anywhere), each
+    storage counted once.
 
     Walks the model object's attributes, containers and deepinfer objects; the backend is not the model's.
     """
@@ -37,6 +38,8 @@ def model_bytes(model) -> int:
             continue
         seen.add(id(obj))
         if isinstance(obj, torch.Tensor):
+            if device is not None and obj.device.type != device.type:  # one device of each type per model
+                continue
             storage = obj.untyped_storage()
             storages[(str(obj.device), storage.data_ptr())] = storage.nbytes()
         elif isinstance(obj, dict):

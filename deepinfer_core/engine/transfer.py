@@ -10,7 +10,7 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["HostCopy", "to_device"]
+__all__ = ["HostCopy", "host_staging", "to_device"]
 
 
 def _pinned(tensor: torch.Tensor) -> torch.Tensor:
@@ -18,6 +18,17 @@ def _pinned(tensor: torch.Tensor) -> torch.Tensor:
         return tensor.pin_memory()
     except (RuntimeError, NotImplementedError):  # no pinned memory on this machine: a plain copy, still correct
         return tensor
+
+
+def host_staging(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """An empty host tensor to fill and then copy to `device` with non_blocking=True: pinned where the device
+    is not the CPU (the copy is then asynchronous), ordinary memory where pinning is unavailable."""
+    if device.type != "cpu":
+        try:
+            return torch.empty(shape, dtype=dtype, pin_memory=True)
+        except (RuntimeError, NotImplementedError):  # no pinned memory on this machine: torch stages the copy
+            pass
+    return torch.empty(shape, dtype=dtype)
 
 
 def to_device(values: torch.Tensor | Sequence, device: torch.device, dtype: torch.dtype = torch.int64) -> torch.Tensor:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +37,13 @@ def load_deepseek_v4(path: Path, raw_config: dict[str, Any], backend: ResolvedBa
     return DeepseekV4Model(config, weights, backend)
 
 
-def load_deepseek_v41(path: Path, raw_config: dict[str, Any], backend: ResolvedBackend, progress: bool = True):
+def load_deepseek_v41(
+    path: Path,
+    raw_config: dict[str, Any],
+    backend: ResolvedBackend,
+    progress: bool = True,
+    engram_placement: str = "auto",
+):
     config = DeepseekV41Config.from_hf(raw_config)
     token_map = token_map_for(config, path)  # before loading: a wrong tokenizer fails at once
     weights = load_tensors(
@@ -48,16 +55,17 @@ def load_deepseek_v41(path: Path, raw_config: dict[str, Any], backend: ResolvedB
         progress,
         spellings=v41_spellings(config),  # ours, DeepSeek-native or newer-transformers names
     )
-    return DeepseekV41Model(config, weights, backend, token_map)
+    return DeepseekV41Model(config, weights, backend, token_map, engram_placement)
 
 
-def model_registry(plugin_manager: pluggy.PluginManager | None = None) -> ModelRegistry:
-    """Built-in architectures plus those registered by `deepinfer.plugins` plugins."""
+def model_registry(plugin_manager: pluggy.PluginManager | None = None, engram_placement: str = "auto") -> ModelRegistry:
+    """Built-in architectures plus those registered by `deepinfer.plugins` plugins. engram_placement (one of
+    v41_engram.ENGRAM_PLACEMENTS) is bound into the DeepSeek-V4.1 factory, the one model with Engram tables."""
     registry = ModelRegistry()
     for architecture in ("DeepseekV3ForCausalLM", "DeepseekV2ForCausalLM"):
         registry.register(architecture, load_deepseek)
     registry.register("DeepseekV4ForCausalLM", load_deepseek_v4)
-    registry.register("DeepseekV41ForCausalLM", load_deepseek_v41)
+    registry.register("DeepseekV41ForCausalLM", partial(load_deepseek_v41, engram_placement=engram_placement))
     if plugin_manager is not None:
         plugin_manager.hook.deepinfer_register_models(registry=registry)
     return registry

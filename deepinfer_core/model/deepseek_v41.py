@@ -22,7 +22,7 @@ from deepinfer_core.model.layers import DenseMLP, MoE
 from deepinfer_core.model.rope import rotary_tables
 from deepinfer_core.model.v4_step import V4Step
 from deepinfer_core.model.v41_attention import SharedIndices, V41Attention
-from deepinfer_core.model.v41_engram import ENGRAM_STATE, EngramLayer, NgramHasher
+from deepinfer_core.model.v41_engram import ENGRAM_STATE, EngramLayer, EngramTables, NgramHasher
 
 __all__ = ["DeepseekV41Model", "FLOAT32_WEIGHTS_V41", "expected_weights_v41"]
 
@@ -109,7 +109,8 @@ def check_backend(cfg: DeepseekV41Config, backend: ResolvedBackend) -> None:
 
 
 class DeepseekV41Model:
-    """Holds the weights on the backend's device and runs one step over a ragged batch."""
+    """Holds the weights on the backend's device (the engram tables where `engram_placement` puts them: one of
+    v41_engram.ENGRAM_PLACEMENTS) and runs one step over a ragged batch."""
 
     graph_capture = False  # per-sequence caches are not wired into device-graph replay yet
 
@@ -119,10 +120,12 @@ class DeepseekV41Model:
         weights: dict[str, torch.Tensor],
         backend: ResolvedBackend,
         token_map: list[int] | None = None,
+        engram_placement: str = "auto",
     ) -> None:
         check_backend(config, backend)
         device = backend.torch_device
-        w = {name: t.to(device) for name, t in weights.items()}
+        table_names = [f"model.layers.{i}.{_DENSE_ENGRAM}" for i in config.engram_layer_ids]
+        w = {name: t.to(device) for name, t in weights.items() if name not in table_names}  # tables: below
         self.config, self.backend, self.ops = config, backend, backend.ops
         self.block_size = backend.kv_layout.block_size
         self.replay_tokens = _replay_tokens(config)
@@ -135,11 +138,12 @@ class DeepseekV41Model:
         self.embed = w["model.embed.weight"]  # [V, D]
         self.norm = w["model.norm.weight"]
         self.lm_head = self.embed if config.tie_word_embeddings else w["lm_head.weight"]
-        self.hasher = None
+        self.hasher = self.engram_tables = None
         if config.engram_layer_ids:
             if token_map is None:
                 raise UnsupportedModelError("DeepSeek-V4.1's engram layers need the tokenizer's compressed vocabulary")
             self.hasher = NgramHasher(backend, config, token_map)
+            self.engram_tables = EngramTables.place([weights[n] for n in table_names], engram_placement, backend)
         self.layers = []
         attentions: dict[int, V41Attention] = {}
         for i, plan in enumerate(config.layers):
@@ -189,16 +193,17 @@ class DeepseekV41Model:
         ops, cfg, eps = self.ops, self.config, self.config.rms_norm_eps
         step = V4Step(meta, positions, self.block_size)
         streams = self.embed[token_ids][:, None, :].expand(-1, cfg.hc_mult, -1).contiguous()  # [T, N, D]
-        hashes = None
+        engram_rows = None
         if self.hasher is not None:
             hashes = self.hasher(token_ids, step, caches[cfg.engram_layer_ids[0]][ENGRAM_STATE])
+            engram_rows = self.engram_tables.gather(hashes)  # per engram layer [T, columns x engram_head_dim]
         # the first attention input is the embedding: a one-hot collapse onto stream 0
         pre = torch.zeros(streams.shape[:2], dtype=torch.float32, device=streams.device)
         pre[:, 0] = 1.0
         shared = SharedIndices()
         for i, (mixers, (attn_norm, ffn_norm), attention, moe, engram) in enumerate(self.layers):
             if engram is not None:
-                streams = engram(streams, hashes)
+                streams = engram(streams, engram_rows[engram.index])
             attn_pre, post, comb = self._mixes(streams, mixers[0])
             x = ops.rms_norm(ops.hc_collapse(streams, pre), attn_norm, eps)
             group = caches[attention.plan.kv_source] if attention.plan.kv_source is not None else None

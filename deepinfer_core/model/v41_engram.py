@@ -6,22 +6,70 @@ rolling XOR of id x multiplier modulo its own prime bucket. The rows those hashe
 into one key per stream and a shared value; the backend's `engram_gate` mixes the value into each stream.
 Hashes depend on token ids alone, so the look-back of a sequence (its last max_ngram_size - 1 compressed
 ids) is per-sequence state: `ENGRAM_STATE` on the first engram layer's caches.
+
+The tables are plain row gathers, and the released ones (~203 GB as FP8 with scales) outgrow any device:
+`EngramTables` keeps them on the device or in host memory (`--engram-placement`). On the host, a step's
+rows are gathered there, all engram layers at once, and reach the device in one copy from pinned memory.
+That waits for the step's hashes; prefetching the next step's rows while this one runs (its token ids are
+known early only under async scheduling) is future work.
 """
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from deepinfer_core.backend.resolve import ResolvedBackend
+from deepinfer_core.backend.types import DeviceFacts
+from deepinfer_core.engine.transfer import host_staging
+from deepinfer_core.errors import DeepInferError
 from deepinfer_core.kv.layout import CacheKind, CacheSpec
 from deepinfer_core.model import engram_vocab
 from deepinfer_core.model.config_v41 import DeepseekV41Config
 from deepinfer_core.model.v4_step import V4Step
 
-__all__ = ["ENGRAM_STATE", "EngramLayer", "NgramHasher"]
+__all__ = [
+    "AUTO_HOST_SHARE",
+    "ENGRAM_PLACEMENTS",
+    "ENGRAM_STATE",
+    "EngramLayer",
+    "EngramTables",
+    "NgramHasher",
+    "check_engram_placement",
+    "engram_placement",
+]
+
+log = logging.getLogger(__name__)
 
 ENGRAM_STATE = "engram_history"
+ENGRAM_PLACEMENTS = ("auto", "host", "device")  # --engram-placement
+# auto keeps the tables on the device up to this share of its memory. Below it they cost the KV cache
+# little and save the per-step host round trip; above it they take what the KV cache and the other
+# weights need, while on the host they cost one copy of 48 rows per token (24 KiB at the released
+# head_dim 256 in bfloat16). The released tables (~203 GB) exceed every device's share.
+AUTO_HOST_SHARE = 0.1
 _DEAD = -1  # no token: before the sequence start
+
+
+def check_engram_placement(value: object) -> str:
+    """`value` if it is one of ENGRAM_PLACEMENTS; else a DeepInferError saying what it may be."""
+    if value not in ENGRAM_PLACEMENTS:
+        raise DeepInferError(
+            f"engram_placement must be one of {', '.join(ENGRAM_PLACEMENTS)} (--engram-placement: where "
+            f"DeepSeek-V4.1's Engram tables live), got {value!r}"
+        )
+    return value
+
+
+def engram_placement(requested: str, table_bytes: int, device: DeviceFacts) -> str:
+    """Where tables of `table_bytes` live, "host" or "device". auto: the device where it is the host's own
+    memory (a cpu backend) or where the tables take at most AUTO_HOST_SHARE of its memory; else the host."""
+    if check_engram_placement(requested) != "auto":
+        return requested
+    if torch.device(device.torch_device).type == "cpu":
+        return "device"
+    return "device" if table_bytes <= AUTO_HOST_SHARE * device.total_memory_bytes else "host"
 
 
 class NgramHasher:
@@ -86,18 +134,47 @@ class NgramHasher:
         return torch.cat(hashes, dim=-1) + self.offsets[None]  # [T, L, orders x heads]
 
 
+class EngramTables:
+    """Every engram layer's table, on the device or in host memory; gathers the rows a step's hashes address."""
+
+    def __init__(self, tables: list[torch.Tensor], device: torch.device, on_host: bool) -> None:
+        self.tables = tables  # per engram layer [rows, engram_head_dim], host tensors when on_host
+        self.device, self.on_host = device, on_host
+
+    @classmethod
+    def place(cls, tables: list[torch.Tensor], requested: str, backend: ResolvedBackend) -> EngramTables:
+        """The loaded host `tables` where `requested` (one of ENGRAM_PLACEMENTS) puts them on `backend`."""
+        table_bytes = sum(t.numel() * t.element_size() for t in tables)
+        where = engram_placement(requested, table_bytes, backend.device)
+        log.info("engram tables (%.2f GiB): %s memory (engram_placement %s)", table_bytes / (1 << 30), where, requested)
+        device = backend.torch_device
+        on_host = where == "host"
+        return cls(tables if on_host else [t.to(device) for t in tables], device, on_host)
+
+    def gather(self, hash_ids: torch.Tensor) -> list[torch.Tensor] | torch.Tensor:
+        """hash_ids [T, L, columns] -> per engram layer, its rows [T, columns x engram_head_dim] on the device."""
+        if not self.on_host:
+            return [table[hash_ids[:, k]].flatten(1) for k, table in enumerate(self.tables)]
+        ids = hash_ids.cpu()  # waits for the hashes (the future prefetch would not)
+        tokens, layers, columns = ids.shape
+        width = self.tables[0].shape[1]
+        staged = host_staging((layers, tokens, columns * width), self.tables[0].dtype, self.device)
+        for k, table in enumerate(self.tables):
+            torch.index_select(table, 0, ids[:, k].flatten(), out=staged[k].view(tokens * columns, width))
+        return staged.to(self.device, non_blocking=True)  # [L, T, columns x engram_head_dim], one copy
+
+
 class EngramLayer:
-    """One engram layer: gather its table's rows, project them, and gate them into the streams."""
+    """One engram layer: project its table rows and gate them into the streams."""
 
     def __init__(self, backend: ResolvedBackend, cfg: DeepseekV41Config, w: dict, prefix: str, index: int) -> None:
         self.ops, self.index, self.eps = backend.ops, index, cfg.rms_norm_eps
         self.hc_mult, self.hidden = cfg.hc_mult, cfg.hidden_size
-        self.table = w[f"{prefix}.embed.weight"]  # [rows, engram_head_dim]
         self.wkv = w[f"{prefix}.wkv.weight"]  # [(N + 1) D, columns x engram_head_dim]
         self.weight = w[f"{prefix}.q_weight"].float() * w[f"{prefix}.k_weight"].float()  # [N, D]
 
-    def __call__(self, streams: torch.Tensor, hash_ids: torch.Tensor) -> torch.Tensor:
-        rows = self.table[hash_ids[:, self.index]].flatten(1)  # [T, columns x engram_head_dim]
+    def __call__(self, streams: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """rows [T, columns x engram_head_dim]: this layer's of EngramTables.gather."""
         kv = self.ops.linear(rows.to(self.wkv.dtype), self.wkv)  # [T, (N + 1) D]
         key = kv[:, : self.hc_mult * self.hidden].unflatten(1, (self.hc_mult, self.hidden))
         value = kv[:, self.hc_mult * self.hidden :]

@@ -149,6 +149,31 @@ def test_gpu_memory_utilization_and_the_kv_cache_size(refusal, monkeypatch):
     assert "$DEEPINFER_KV_CACHE_MEMORY_BYTES: '4.5K' is not an integer" in refusal()
 
 
+def test_engram_placement_is_one_of_its_choices(settings_of, monkeypatch):
+    assert settings_of().engram_placement == "auto"
+    assert settings_of("--engram-placement", "HOST").engram_placement == "host"
+    monkeypatch.setenv("DEEPINFER_ENGRAM_PLACEMENT", "device")
+    assert settings_of().engram_placement == "device"
+
+
+def test_a_wrong_engram_placement_is_refused_with_its_flag_or_variable(refusal, monkeypatch):
+    assert "argument --engram-placement: invalid choice: 'gpu'" in refusal("--engram-placement", "gpu")
+    monkeypatch.setenv("DEEPINFER_ENGRAM_PLACEMENT", "gpu")
+    assert "$DEEPINFER_ENGRAM_PLACEMENT must be one of 'auto', 'host' or 'device', got 'gpu'" in refusal()
+
+
+def test_the_engram_placement_reaches_the_model(monkeypatch):
+    from deepinfer_core.cli.settings import Given, load_settings
+    from deepinfer_core.engine import llm
+
+    def loading(**kwargs):
+        raise Captured(kwargs["engram_placement"])
+
+    monkeypatch.setattr(llm, "LLM", loading)
+    with pytest.raises(Captured, match="^host$"):
+        serve.build_state(load_settings(Given("flag", {"engram_placement": "host"}, {})))
+
+
 def test_the_environment_overrides_a_default_but_not_a_flag(settings_of, monkeypatch):
     monkeypatch.setenv("DEEPINFER_MAX_NUM_SEQS", "5")
     monkeypatch.setenv("DEEPINFER_KV_CACHE_MEMORY_BYTES", "4G")  # the flags' suffixes work here too
