@@ -19,6 +19,7 @@ from deepinfer_core.cli.settings import (
     generation_config,
     json_list,
 )
+from deepinfer_core.engine.block_manager import PREFIX_REPLAYS
 from deepinfer_core.errors import DeepInferError
 
 __all__ = ["add_parser", "build_state", "serve_settings"]
@@ -70,6 +71,7 @@ def build_state(settings: ServeSettings):
         max_num_seqs=settings.max_num_seqs,
         max_num_batched_tokens=settings.max_num_batched_tokens,
         enable_prefix_caching=settings.enable_prefix_caching,
+        prefix_replay=settings.prefix_replay,
         batch_invariant=settings.batch_invariant,
         graph_batch_size=0 if settings.enforce_eager else 256,
         progress=sys.stderr.isatty(),
@@ -235,6 +237,15 @@ def _engine_flags(parser: argparse.ArgumentParser) -> None:
         action=argparse.BooleanOptionalAction,
         default=_default("enable_prefix_caching"),
         help="reuse the KV cache of prompt prefixes seen before",
+    )
+    p.add_argument(
+        "--prefix-replay",
+        type=str.lower,
+        choices=PREFIX_REPLAYS,
+        default=_default("prefix_replay"),
+        help="what a prefix hit recomputes to rebuild DeepSeek-V4/V4.1's sliding windows: exact (every token they "
+        "depend on; outputs equal a run without the hit) or bounded (the last 128 tokens, as DeepSeek's engine: "
+        "faster, approximate); other models ignore it",
     )
     p.add_argument(
         "--batch-invariant",

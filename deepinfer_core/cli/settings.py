@@ -23,6 +23,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from deepinfer_core.cli.config_file import ConfigFile
 from deepinfer_core.cli.flags import DTYPES, explicit_values, human_readable_int
+from deepinfer_core.engine.block_manager import PREFIX_REPLAYS
 from deepinfer_core.errors import DeepInferError
 from deepinfer_core.model.v41_engram import ENGRAM_PLACEMENTS
 
@@ -99,6 +100,7 @@ JsonList = Annotated[list[str], BeforeValidator(json_list)]
 Dtype = Annotated[Literal[DTYPES], BeforeValidator(_lower)]
 KvCacheDtype = Annotated[Literal[KV_CACHE_DTYPES], BeforeValidator(_lower)]
 EngramPlacement = Annotated[Literal[ENGRAM_PLACEMENTS], BeforeValidator(_lower)]
+PrefixReplay = Annotated[Literal[PREFIX_REPLAYS], BeforeValidator(_lower)]
 UvicornLogLevel = Annotated[Literal[UVICORN_LOG_LEVELS], BeforeValidator(_lower)]
 
 
@@ -149,6 +151,7 @@ class ServeSettings(BaseSettings):
     max_num_seqs: int = Field(64, ge=1)
     max_num_batched_tokens: int = Field(2048, ge=1)
     enable_prefix_caching: bool = True
+    prefix_replay: PrefixReplay = "exact"
     batch_invariant: bool = False
     enforce_eager: bool = False
     # the HTTP server

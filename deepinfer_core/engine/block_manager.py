@@ -7,8 +7,8 @@ without a hash are handed out before any cached one.
 
 Models with per-sequence caches (DeepSeek-V4's sliding windows and compressor state) do not store those
 per block: a request admitted with a cached prefix recomputes the last `replay_tokens` tokens before
-its end ("bounded replay") to rebuild them, and reads everything else from the cached blocks. Each
-running request also holds one sequence slot for those caches.
+its end to rebuild them, and reads everything else from the cached blocks. Each running request also
+holds one sequence slot for those caches. How many tokens is the engine's choice (`prefix_replay_tokens`).
 """
 
 from __future__ import annotations
@@ -17,10 +17,47 @@ import hashlib
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Literal, get_args
 
 from deepinfer_core.engine.request import Request
+from deepinfer_core.errors import DeepInferError
 
-__all__ = ["BlockManager", "hash_block"]
+__all__ = [
+    "BOUNDED_REPLAY_TOKENS",
+    "PREFIX_REPLAYS",
+    "BlockManager",
+    "PrefixReplay",
+    "check_prefix_replay",
+    "hash_block",
+    "prefix_replay_tokens",
+]
+
+PrefixReplay = Literal["exact", "bounded"]  # --prefix-replay
+PREFIX_REPLAYS: tuple[str, ...] = get_args(PrefixReplay)
+# what DeepSeek's own V4.1 engine recomputes before a prefix hit's end: one 128-token KV block
+BOUNDED_REPLAY_TOKENS = 128
+
+
+def check_prefix_replay(value: object) -> str:
+    """`value` if it is one of PREFIX_REPLAYS; else a DeepInferError saying what each one does."""
+    if value not in PREFIX_REPLAYS:
+        raise DeepInferError(
+            f"prefix_replay (--prefix-replay) must be 'exact' (a prefix hit recomputes every token the model's "
+            f"windows at the hit's end depend on) or 'bounded' (only the last {BOUNDED_REPLAY_TOKENS}: faster, "
+            f"approximate), got {value!r}"
+        )
+    return value
+
+
+def prefix_replay_tokens(prefix_replay: str, exact: int) -> int:
+    """Tokens a prefix hit recomputes before its end, given the model's `exact` replay (0: nothing to rebuild).
+
+    "exact": all of them; the caches at the hit's end are what a full computation gives. "bounded": at most
+    BOUNDED_REPLAY_TOKENS. The first replayed tokens then see windows cut at the replay's start, so from the
+    second layer on the windows and states rebuilt at the hit's end (and the logits just past it) differ from
+    a full computation (bench/prefix_replay.py measures by how much). One layer's window (DeepSeek's: 128
+    tokens) fits in the replayed block, so every state is still rebuilt from the tokens it reads."""
+    return exact if prefix_replay == "exact" else min(exact, BOUNDED_REPLAY_TOKENS)
 
 
 def hash_block(parent: bytes | None, token_ids: Sequence[int]) -> bytes:

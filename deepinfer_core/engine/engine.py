@@ -23,7 +23,7 @@ from dataclasses import dataclass, replace
 
 from deepinfer_core.backend.extensions import LogitsProcessor, Observer, RequestEvent, StepStats
 from deepinfer_core.backend.resolve import ResolvedBackend
-from deepinfer_core.engine.block_manager import BlockManager
+from deepinfer_core.engine.block_manager import BlockManager, PrefixReplay, check_prefix_replay, prefix_replay_tokens
 from deepinfer_core.engine.limits import at_least_one, context_length
 from deepinfer_core.engine.pending import HostPromptLogprobs, LaunchedStep
 from deepinfer_core.engine.request import Delta, Logprob, Request, RequestGroup, RequestOutput
@@ -50,6 +50,7 @@ class EngineConfig:
     kv_cache_memory_bytes: int = 1 << 30
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     enable_prefix_caching: bool = True
+    prefix_replay: PrefixReplay = "exact"  # a hit's replay of per-sequence caches: all of it, or one block
     scheduler: SchedulerConfig = SchedulerConfig()
     async_scheduling: bool | None = None  # None: where the backend's capabilities say it supports it
     graph_batch_size: int = 256  # decode steps of up to this many sequences replay device graphs; 0: never
@@ -58,6 +59,7 @@ class EngineConfig:
     def __post_init__(self) -> None:
         for name in ("num_kv_blocks", "kv_cache_memory_bytes", "max_model_len"):
             at_least_one(name, getattr(self, name))
+        check_prefix_replay(self.prefix_replay)
 
 
 class Engine:
@@ -79,7 +81,7 @@ class Engine:
             block_size,
             config.enable_prefix_caching,
             num_seq_slots=config.scheduler.max_num_seqs,
-            replay_tokens=getattr(model, "replay_tokens", 0),
+            replay_tokens=prefix_replay_tokens(config.prefix_replay, getattr(model, "replay_tokens", 0)),
         )
         self.scheduler = Scheduler(config.scheduler, self.blocks, backend.cost_model)
         self.runner = ModelRunner(

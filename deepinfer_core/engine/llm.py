@@ -6,7 +6,7 @@ import dataclasses
 import logging
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from tqdm import tqdm
@@ -85,6 +85,10 @@ class LLM:
         copied to the device), "device", or "auto" (the host when the tables would take more than a tenth
         of the device's memory; the device on a cpu backend, whose device is host memory). Other models
         ignore it.
+    prefix_replay: what a prefix-cache hit recomputes to rebuild DeepSeek-V4/V4.1's sliding windows and
+        per-sequence states: "exact" (every token they depend on: the layers x (window - 1) tokens before the
+        hit's end; outputs equal a run without the hit) or "bounded" (only the last 128, as DeepSeek's own
+        engine: faster, and the logits just past the hit differ from a run without it). Other models ignore it.
     progress: progress bars while the model downloads, is built or loads.
     """
 
@@ -107,6 +111,7 @@ class LLM:
         max_num_seqs: int = 64,
         max_num_batched_tokens: int = 2048,
         enable_prefix_caching: bool = True,
+        prefix_replay: Literal["exact", "bounded"] = "exact",
         async_scheduling: bool | None = None,
         batch_invariant: bool = False,
         graph_batch_size: int = 256,
@@ -126,6 +131,7 @@ class LLM:
             kv_cache_memory_bytes=DEFAULT_KV_CACHE_BYTES if kv_cache_memory_bytes is None else kv_cache_memory_bytes,
             max_model_len=max_model_len,
             enable_prefix_caching=enable_prefix_caching,
+            prefix_replay=prefix_replay,
             async_scheduling=async_scheduling,
             graph_batch_size=graph_batch_size,
             scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens),

@@ -1,5 +1,6 @@
-"""Smoke test of bench/prefix_replay.py on a tiny DeepSeek-V4: it runs and writes a complete report, and
-the replayed prefill computes fewer tokens than the full one and gives the same first token.
+"""Smoke test of bench/prefix_replay.py on a tiny DeepSeek-V4: it runs and writes a complete report, the
+exactly replayed prefill computes fewer tokens than the full one and gives the same first token, and the
+bounded one computes at most 128 replayed tokens.
 
 No timing is asserted (DESIGN.md §7).
 """
@@ -35,13 +36,47 @@ def test_prefix_replay_writes_a_complete_report(tmp_path):
     )
     assert run.returncode == 0, run.stderr[-3000:]
     report = json.loads(out.read_text())
-    assert {"machine", "versions", "config", "workload", "results", "replay_tokens", "v4_flash_estimate"} <= set(report)
+    keys = {"machine", "versions", "config", "workload", "results", "replay_tokens", "bounded_drift_vs_exact"}
+    assert keys | {"flash_estimate"} <= set(report)
     systems = {r["system"]: r for r in report["results"]}
-    assert set(systems) == {"full_recompute", "bounded_replay", "floor_no_replay", "full_recompute_other_chunks"}
+    assert set(systems) == {
+        "full_recompute",
+        "exact_replay",
+        "bounded_replay",
+        "floor_no_replay",
+        "full_recompute_other_chunks",
+    }
     assert report["replay_tokens"] == 3 * 15
     assert systems["full_recompute"]["prefill_tokens_computed"] == [320]
-    hit = systems["bounded_replay"]["cached_tokens"][0]
+    hit = systems["exact_replay"]["cached_tokens"][0]
     assert hit == 256  # the 296 shared tokens hold 4 full 64-token blocks
-    assert systems["bounded_replay"]["prefill_tokens_computed"] == [320 - hit + 45]
+    assert systems["exact_replay"]["prefill_tokens_computed"] == [320 - hit + 45]
+    assert systems["bounded_replay"]["prefill_tokens_computed"] == [320 - hit + 45]  # 45 < 128: the same replay
     assert systems["floor_no_replay"]["prefill_tokens_computed"] == [320 - hit]
-    assert report["first_token_agrees_full_vs_replay"] == [True]
+    assert report["first_token_agrees_full_vs_exact_replay"] == [True]
+    assert report["bounded_drift_vs_exact"]["first_token_past_the_hit"]["greedy_agrees"] is True
+    assert report["flash_estimate"]["exact_replay_tokens"] == 43 * 127
+
+
+def test_prefix_replay_runs_deepseek_v41_and_bounds_its_replay(tmp_path):
+    out = tmp_path / "report.json"
+    args = ["--out", str(out), "--model", "v41", "--prompt-len", "320", "--suffix-len", "24", "--repeats", "1"]
+    tiny = {"num_hidden_layers": 10, "sliding_window": 16, "hidden_size": 64, "hc_mult": 2, "vocab_size": 512}
+    run = subprocess.run(
+        [sys.executable, str(SCRIPT), *args, "--config", json.dumps(tiny)], capture_output=True, text=True, timeout=600
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    report = json.loads(out.read_text())
+    systems = {r["system"]: r for r in report["results"]}
+    assert report["replay_tokens"] == 10 * 15 and report["bounded_replay_tokens"] == 128
+    hit = systems["exact_replay"]["cached_tokens"][0]
+    assert hit == 256  # V4.1 runs with DeepSeek's 128-token blocks
+    assert systems["exact_replay"]["prefill_tokens_computed"] == [320 - hit + 150]
+    assert systems["bounded_replay"]["prefill_tokens_computed"] == [320 - hit + 128]
+    assert report["first_token_agrees_full_vs_exact_replay"] == [True]
+    assert set(report["bounded_drift_vs_exact"]["first_token_past_the_hit"]) == {
+        "max_abs_logprob_diff",
+        "kl_divergence",
+        "greedy_agrees",
+    }
+    assert report["flash_estimate"]["exact_replay_tokens"] == 40 * 127

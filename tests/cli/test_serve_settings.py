@@ -174,6 +174,32 @@ def test_the_engram_placement_reaches_the_model(monkeypatch):
         serve.build_state(load_settings(Given("flag", {"engram_placement": "host"}, {})))
 
 
+def test_prefix_replay_is_exact_unless_asked(settings_of, monkeypatch):
+    assert settings_of().prefix_replay == "exact"
+    assert settings_of("--prefix-replay", "Bounded").prefix_replay == "bounded"
+    monkeypatch.setenv("DEEPINFER_PREFIX_REPLAY", "bounded")
+    assert settings_of().prefix_replay == "bounded"
+    assert settings_of("--prefix-replay", "exact").prefix_replay == "exact"  # the flag wins
+
+
+def test_the_prefix_replay_reaches_the_model(monkeypatch):
+    from deepinfer_core.cli.settings import Given, load_settings
+    from deepinfer_core.engine import llm
+
+    def loading(**kwargs):
+        raise Captured(kwargs["prefix_replay"])
+
+    monkeypatch.setattr(llm, "LLM", loading)
+    with pytest.raises(Captured, match="^bounded$"):
+        serve.build_state(load_settings(Given("flag", {"prefix_replay": "bounded"}, {})))
+
+
+def test_a_wrong_prefix_replay_is_refused_with_its_flag_or_variable(refusal, monkeypatch):
+    assert "argument --prefix-replay: invalid choice: 'approx'" in refusal("--prefix-replay", "approx")
+    monkeypatch.setenv("DEEPINFER_PREFIX_REPLAY", "approx")
+    assert "$DEEPINFER_PREFIX_REPLAY must be one of 'exact' or 'bounded', got 'approx'" in refusal()
+
+
 def test_the_environment_overrides_a_default_but_not_a_flag(settings_of, monkeypatch):
     monkeypatch.setenv("DEEPINFER_MAX_NUM_SEQS", "5")
     monkeypatch.setenv("DEEPINFER_KV_CACHE_MEMORY_BYTES", "4G")  # the flags' suffixes work here too

@@ -7,10 +7,17 @@ import itertools
 
 import pytest
 
-from deepinfer_core.engine.block_manager import BlockManager, hash_block
+from deepinfer_core.engine.block_manager import (
+    BOUNDED_REPLAY_TOKENS,
+    BlockManager,
+    check_prefix_replay,
+    hash_block,
+    prefix_replay_tokens,
+)
 from deepinfer_core.engine.cost import LinearCostModel
 from deepinfer_core.engine.request import Request, RequestStatus
 from deepinfer_core.engine.scheduler import Scheduler, SchedulerConfig
+from deepinfer_core.errors import DeepInferError
 from deepinfer_core.sampling.params import SamplingParams
 
 BS = 4  # tokens per block
@@ -276,6 +283,27 @@ def test_prefix_caching_disabled():
     assert bm.admit(again, 9)
     assert again.num_computed_tokens == again.num_cached_tokens == 0 and len(again.block_ids) == 3
     assert bm.prefix_hits == 0
+
+
+@pytest.mark.parametrize(("exact", "bounded"), [(0, 0), (28, 28), (128, 128), (5080, BOUNDED_REPLAY_TOKENS)])
+def test_bounded_replay_is_the_models_exact_replay_capped_at_one_block(exact, bounded):
+    assert prefix_replay_tokens("exact", exact) == exact  # 0: a model without per-sequence caches (V3)
+    assert prefix_replay_tokens("bounded", exact) == bounded
+
+
+def test_a_hit_starts_computing_replay_tokens_before_its_end():
+    bm = BlockManager(num_blocks=16, block_size=BS, replay_tokens=prefix_replay_tokens("bounded", 5))
+    admitted(bm, A + B)  # 18 tokens: 4 full blocks
+    again = req(A + B[:7] + [1])
+    assert bm.cached_prefix_tokens(again) == 16 - 5
+    assert bm.admit(again, 2 + 5)
+    assert again.num_cached_tokens == 16 and again.num_computed_tokens == again.window_start == 11
+
+
+def test_an_unknown_prefix_replay_says_what_each_choice_does():
+    assert check_prefix_replay("bounded") == "bounded"
+    with pytest.raises(DeepInferError, match=r"'exact' \(a prefix hit recomputes every token .* 'bounded' \(only"):
+        check_prefix_replay("Exact")
 
 
 # ---- Scheduler ----------------------------------------------------------------------------------
