@@ -110,7 +110,7 @@ def test_200_concurrent_streams_complete_and_free_everything(server):
 
 # ---- client disconnects -------------------------------------------------------------------------------------
 
-LONG = 1500  # tokens: far more than a test waits for (the demo model rarely emits EOS)
+LONG = 1500  # tokens: far more than a test waits for (ignore_eos: a sampled EOS would end it early)
 
 
 def assert_aborted(server, generated_before: float) -> None:
@@ -126,7 +126,7 @@ def test_disconnect_mid_stream_aborts_and_frees_blocks(server, path):
     assert server.wait_idle() == (0, 0, 0)
     generated_before = server.value(GENERATED)
     with httpx.Client(base_url=server.url, timeout=60) as client:
-        with client.stream("POST", path, json=body(path, LONG, True, temperature=1.0)) as r:
+        with client.stream("POST", path, json=body(path, LONG, True, temperature=1.0, ignore_eos=True)) as r:
             assert r.status_code == 200
             lines, events = r.iter_lines(), 0  # (closing this iterator would close the connection already)
             while events < 4:
@@ -142,7 +142,7 @@ def test_disconnect_while_waiting_for_a_whole_response_aborts(server, path):
     assert server.wait_idle() == (0, 0, 0)
     generated_before = server.value(GENERATED)
     with httpx.Client(base_url=server.url, timeout=1.5) as client, pytest.raises(httpx.ReadTimeout):
-        client.post(path, json=body(path, LONG, False, temperature=1.0))
+        client.post(path, json=body(path, LONG, False, temperature=1.0, ignore_eos=True))
     assert_aborted(server, generated_before)
 
 
