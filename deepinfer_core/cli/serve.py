@@ -125,12 +125,13 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     from deepinfer_core.serve.http_protocol import HttpLimits, guarded_protocol
 
     settings = serve_settings(args)  # before binding and loading: a wrong value fails at once
+    fitting = default_connection_limit()  # raises the open-file limit to its maximum first
     with bind(settings.host, settings.port) as sock:  # before loading: a busy port fails now, not after the load
         state = build_state(settings)
         limits = HttpLimits(
             header_timeout=settings.timeout_request_header,
             body_timeout=settings.timeout_request_body,
-            max_connections=settings.limit_concurrency or default_connection_limit(),
+            max_connections=settings.limit_concurrency or fitting,
         )
         cors = CorsPolicy(
             tuple(settings.allowed_origins),
