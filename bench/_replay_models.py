@@ -5,13 +5,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import torch
 from safetensors.torch import save_file
 
 from deepinfer_core.model.config_v4 import CSA, HCA, SLIDING, DeepseekV4Config
 from deepinfer_core.model.config_v41 import DeepseekV41Config
-from deepinfer_core.model.deepseek_v41 import expected_weights_v41
-from deepinfer_core.model.demo import demo_weights
+from deepinfer_core.model.demo import demo_weights, demo_weights_v41
 
 V4 = {
     "architectures": ["DeepseekV4ForCausalLM"],
@@ -75,25 +73,10 @@ def is_v41(raw: dict) -> bool:
     return raw["architectures"] == ["DeepseekV41ForCausalLM"]
 
 
-def v41_weights(cfg: DeepseekV41Config, seed: int) -> dict[str, torch.Tensor]:
-    """Random weights of the right shapes: scales near 1, matrices with fan-in-normalised entries."""
-    g = torch.Generator().manual_seed(seed)
-    weights = {}
-    for name, shape in expected_weights_v41(cfg).items():
-        if name.endswith(("norm.weight", "_scale", "q_weight", "k_weight")):
-            tensor = 1 + 0.1 * torch.randn(shape, generator=g)
-        elif name.endswith(("attn_sink", "_base", "gate.bias")):
-            tensor = 0.5 * torch.randn(shape, generator=g)
-        else:
-            tensor = torch.randn(shape, generator=g) * (shape[-1] if len(shape) > 1 else 1) ** -0.5
-        weights[name] = tensor.contiguous()
-    return weights
-
-
 def make_checkpoint(raw: dict, folder: Path) -> Path:
     """config.json and model.safetensors of `raw` with random weights (seed 7) in `folder`."""
     if is_v41(raw):
-        weights = v41_weights(DeepseekV41Config.from_hf(raw), seed=7)
+        weights = demo_weights_v41(DeepseekV41Config.from_hf(raw), seed=7)
     else:
         weights = demo_weights(DeepseekV4Config.from_hf(raw), seed=7)
     save_file({name: t.contiguous() for name, t in weights.items()}, str(folder / "model.safetensors"))

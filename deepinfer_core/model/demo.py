@@ -13,9 +13,11 @@ from tqdm import tqdm
 
 from deepinfer_core.backend.resolve import ResolvedBackend
 from deepinfer_core.model.config_v4 import CSA, HCA, SLIDING, DeepseekV4Config
+from deepinfer_core.model.config_v41 import DeepseekV41Config
 from deepinfer_core.model.deepseek_v4 import FLOAT32_WEIGHTS_V4, DeepseekV4Model, expected_weights_v4
+from deepinfer_core.model.deepseek_v41 import expected_weights_v41
 
-__all__ = ["DEMO_CONFIG", "DEMO_NAME", "demo_model"]
+__all__ = ["DEMO_CONFIG", "DEMO_NAME", "demo_model", "demo_weights_v41"]
 
 DEMO_NAME = "deepinfer-demo-deepseek-v4-random"
 DEMO_SEED = 20261129
@@ -72,6 +74,23 @@ def demo_weights(config: DeepseekV4Config, seed: int = DEMO_SEED, progress: bool
             weights[name] = scores.argsort(dim=1)[:, : shape[1]]  # distinct experts per token
         else:
             weights[name] = torch.randn(shape, generator=generator) * 0.02
+    return weights
+
+
+def demo_weights_v41(config: DeepseekV41Config, seed: int) -> dict[str, torch.Tensor]:
+    """Deterministic random DeepSeek-V4.1 weights (tests, benchmarks): norms, mixer scales and engram q/k
+    weights near 1, sinks, mixer bases and router biases N(0, 0.5), matrices with fan-in-normalised entries."""
+    generator = torch.Generator().manual_seed(seed)
+    weights = {}
+    for name, shape in expected_weights_v41(config).items():
+        if name.endswith(("norm.weight", "_scale", "q_weight", "k_weight")):
+            tensor = 1 + 0.1 * torch.randn(shape, generator=generator)
+        elif name.endswith(("attn_sink", "_base", "gate.bias")):
+            tensor = 0.5 * torch.randn(shape, generator=generator)
+        else:
+            fan_in = shape[-1] if len(shape) > 1 else 1
+            tensor = torch.randn(shape, generator=generator) * fan_in**-0.5
+        weights[name] = tensor.contiguous()
     return weights
 
 

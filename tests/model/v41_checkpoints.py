@@ -12,11 +12,10 @@ import json
 import shutil
 from pathlib import Path
 
-import torch
 from safetensors.torch import save_file
 
 from deepinfer_core.model.config_v41 import DeepseekV41Config
-from deepinfer_core.model.deepseek_v41 import expected_weights_v41
+from deepinfer_core.model.demo import demo_weights_v41
 from deepinfer_core.model.engram_vocab import compressed_vocabulary, engram_primes
 
 TOKENIZER_FROM = Path(__file__).parents[1] / "fixtures" / "deepseek_v41" / "engram_top1"
@@ -91,17 +90,7 @@ def write_checkpoint(folder: Path, overrides: dict, seed: int = 0) -> Path:
         )
         raw["engram_num_embeddings"] = [sum(map(sum, layer)) for layer in primes]
     cfg = DeepseekV41Config.from_hf(raw)
-    g = torch.Generator().manual_seed(seed)
-    weights = {}
-    for name, shape in expected_weights_v41(cfg).items():
-        if name.endswith(("norm.weight", "_scale", "q_weight", "k_weight")):
-            tensor = 1 + 0.1 * torch.randn(shape, generator=g)
-        elif name.endswith(("attn_sink", "_base", "gate.bias")):
-            tensor = 0.5 * torch.randn(shape, generator=g)
-        else:
-            fan_in = shape[-1] if len(shape) > 1 else 1
-            tensor = torch.randn(shape, generator=g) * fan_in**-0.5
-        weights[name] = tensor.contiguous()
+    weights = demo_weights_v41(cfg, seed)
     folder.mkdir(parents=True, exist_ok=True)
     save_file(weights, folder / "model.safetensors")
     (folder / "config.json").write_text(json.dumps(raw, indent=1))
