@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import re
+import resource
 import shutil
 import signal
 import socket
@@ -46,6 +47,7 @@ class Server:
     log_path: Path
     port: int = field(default_factory=free_port)
     process: subprocess.Popen | None = None
+    max_open_files: int | None = None  # an open-file limit the process cannot raise
 
     @property
     def url(self) -> str:
@@ -55,8 +57,19 @@ class Server:
         env = {k: v for k, v in os.environ.items() if k not in ("DEEPINFER_ACCELERATOR", "DEEPINFER_API_KEY")}
         env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1")
         command = [deepinfer_exe(), "serve", "--port", str(self.port), *COMMON_ARGS, *self.args]
+        files = self.max_open_files
+
+        def limit_files() -> None:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (files, files))
+
         with open(self.log_path, "wb") as log:
-            self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
+            self.process = subprocess.Popen(
+                command,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=env,
+                preexec_fn=None if files is None else limit_files,
+            )
         return self
 
     def log(self) -> str:

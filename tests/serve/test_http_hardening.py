@@ -5,19 +5,16 @@ whose grace period runs out under streams."""
 from __future__ import annotations
 
 import json
-import os
 import re
-import resource
 import signal
 import socket
-import subprocess
 import threading
 import time
 
 import httpx
 import pytest
 
-from tests.serve.conftest import API_KEY, COMMON_ARGS, MODEL, Server, deepinfer_exe
+from tests.serve.conftest import API_KEY, MODEL, Server
 
 CHAT = "/v1/chat/completions"
 MESSAGES = "/v1/messages"
@@ -183,30 +180,14 @@ def test_connections_beyond_the_limit_get_503(strict_server):
     strict_server.wait_ready(10)  # the closed ones free their places
 
 
-class _FewFilesServer(Server):
-    """A server whose process may open only `files` descriptors (and cannot raise the limit)."""
-
-    files: int = 256
-
-    def start(self) -> Server:
-        def limit() -> None:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (self.files, self.files))
-
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-        env.pop("DEEPINFER_API_KEY", None)
-        command = [deepinfer_exe(), "serve", "--port", str(self.port), *COMMON_ARGS, *self.args]
-        with open(self.log_path, "wb") as log:
-            self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, preexec_fn=limit)
-        return self
-
-
 def test_running_out_of_file_descriptors_logs_one_line_and_recovers(tmp_path):
     # a connection limit above what the process may open: accept() itself fails (EMFILE), again and again
-    server = _FewFilesServer(["--num-kv-blocks", "16", "--limit-concurrency", "100000"], tmp_path / "server.log")
+    args = ["--num-kv-blocks", "16", "--limit-concurrency", "100000"]
+    server = Server(args, tmp_path / "server.log", max_open_files=256)
     server.start().wait_ready()
     try:
         held = []
-        for _ in range(server.files + 50):
+        for _ in range(server.max_open_files + 50):
             try:
                 held.append(_connect(server.port))
             except OSError:
