@@ -11,6 +11,9 @@ run, side by side, same weights, same prompts:
 - `exact_replay`: the prefix was cached by an earlier request; the exact replay plus the new suffix are
   prefilled;
 - `bounded_replay`: the same with `prefix_replay="bounded"`;
+- `snapshot_restore`: the prefix was the whole prompt of an earlier request, which left a window snapshot
+  at its end (engine/snapshots.py, `--window-snapshot-gb`): the hit restores it and only the suffix is
+  prefilled, exactly (the replay systems above run without snapshots);
 - `floor_no_replay`: the same hit with the replay switched off. Its output is WRONG (the windows are
   stale); it is the floor that storing every window per block would reach, for timing only.
 - `full_recompute_other_chunks`: the full prefill in half-size chunks: how far rounding alone moves logits.
@@ -48,6 +51,7 @@ from deepinfer_core.engine.block_manager import BOUNDED_REPLAY_TOKENS  # noqa: E
 from deepinfer_core.engine.llm import LLM  # noqa: E402
 from deepinfer_core.sampling.params import SamplingParams  # noqa: E402
 
+HITS = ("exact_replay", "bounded_replay", "snapshot_restore")  # the systems with a prefix hit
 PARAMS = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True, logprobs=0)
 
 
@@ -175,9 +179,10 @@ def main(argv: list[str] | None = None) -> int:
 
         systems = {
             "full_recompute": (llm(enable_prefix_caching=False), None),
-            "exact_replay": (llm(), warm),
-            "bounded_replay": (llm(prefix_replay="bounded"), warm),
-            "floor_no_replay": (llm(), warm),
+            "exact_replay": (llm(window_snapshot_gb=0), warm),
+            "bounded_replay": (llm(prefix_replay="bounded", window_snapshot_gb=0), warm),
+            "snapshot_restore": (llm(), []),  # the earlier request's prompt is the prefix itself
+            "floor_no_replay": (llm(window_snapshot_gb=0), warm),
             # the same full prefill in other chunks: how far rounding alone moves the first logprob
             "full_recompute_other_chunks": (
                 llm(enable_prefix_caching=False, max_num_batched_tokens=max(block, args.max_num_batched_tokens // 2)),
@@ -194,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
                 probes[name] = probe(engine, at_hit)
         exact_replay_tokens = systems["exact_replay"][0].model.replay_tokens
     by_name = {r["system"]: r for r in results}
-    full, exact = by_name["full_recompute"], by_name["exact_replay"]
+    full = by_name["full_recompute"]
     firsts = {r["system"]: r["first_token_and_logprob"] for r in results}
 
     def gaps(name: str) -> list[float]:
@@ -206,7 +211,8 @@ def main(argv: list[str] | None = None) -> int:
     allowed = max(1e-4 if args.dtype == "float32" else 5e-2, 2 * max(noise))
     agree = [
         a[0] == b[0] and gap <= allowed
-        for a, b, gap in zip(full["first_token_and_logprob"], exact["first_token_and_logprob"], gaps("exact_replay"))
+        for name in ("exact_replay", "snapshot_restore")
+        for a, b, gap in zip(full["first_token_and_logprob"], firsts[name], gaps(name))
     ]
 
     def saved(system: dict, key: str) -> float:
@@ -232,10 +238,11 @@ def main(argv: list[str] | None = None) -> int:
         "replay_tokens": exact_replay_tokens,
         "bounded_replay_tokens": min(exact_replay_tokens, BOUNDED_REPLAY_TOKENS),
         "results": results,
-        "first_token_agrees_full_vs_exact_replay": agree,
+        "first_token_agrees_full_vs_exact_replay_and_snapshot_restore": agree,
         "first_logprob_gap_vs_full": {
             "exact_replay": gaps("exact_replay"),
             "bounded_replay": gaps("bounded_replay"),
+            "snapshot_restore": gaps("snapshot_restore"),
             "floor_no_replay": gaps("floor_no_replay"),
             "full_recompute_other_chunks (rounding noise)": noise,
         },
@@ -249,12 +256,8 @@ def main(argv: list[str] | None = None) -> int:
                 drift(o, f) for o, f in zip(rows["full_recompute_other_chunks"], rows["full_recompute"])
             ],
         },
-        "prefill_tokens_saved_fraction": {
-            name: saved(by_name[name], "prefill_tokens_computed") for name in ("exact_replay", "bounded_replay")
-        },
-        "time_saved_fraction": {
-            name: saved(by_name[name], "median_seconds") for name in ("exact_replay", "bounded_replay")
-        },
+        "prefill_tokens_saved_fraction": {name: saved(by_name[name], "prefill_tokens_computed") for name in HITS},
+        "time_saved_fraction": {name: saved(by_name[name], "median_seconds") for name in HITS},
         "flash_estimate": flash_estimate(raw, args.prompt_len, args.suffix_len),
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -264,12 +267,12 @@ def main(argv: list[str] | None = None) -> int:
         computed, hit = median(r["prefill_tokens_computed"]), r["cached_tokens"][0]
         print(f"{r['system']:28} {r['median_seconds']:9.3f} {r['best_seconds']:9.3f} {computed:8.0f} {hit:7d}")
     at_hit_drift = report["bounded_drift_vs_exact"]["first_token_past_the_hit"]
+    tokens_saved, time_saved = report["prefill_tokens_saved_fraction"], report["time_saved_fraction"]
     print(
-        f"replay {exact_replay_tokens} tokens exact, {report['bounded_replay_tokens']} bounded; saved "
-        f"{report['prefill_tokens_saved_fraction']['exact_replay']:.1%} / "
-        f"{report['prefill_tokens_saved_fraction']['bounded_replay']:.1%} of prefill tokens, "
-        f"{report['time_saved_fraction']['exact_replay']:.1%} / {report['time_saved_fraction']['bounded_replay']:.1%} "
-        f"of time; exact's first token agrees with full: {all(agree)}; bounded's drift past the hit: "
+        f"replay {exact_replay_tokens} tokens exact, {report['bounded_replay_tokens']} bounded; saved (exact / "
+        f"bounded / snapshot) {' / '.join(f'{tokens_saved[n]:.1%}' for n in HITS)} of prefill tokens, "
+        f"{' / '.join(f'{time_saved[n]:.1%}' for n in HITS)} of time; exact's and the snapshot's first token "
+        f"agree with full: {all(agree)}; bounded's drift past the hit: "
         f"{at_hit_drift['max_abs_logprob_diff']:.2e}, greedy token agrees: {at_hit_drift['greedy_agrees']}"
     )
     return 0 if all(agree) else 1

@@ -177,6 +177,9 @@ class AttentionMetadata:
     # [B] int64: positions below are in prefix-cache blocks shared with other sequences; a sequence
     # that recomputes them (V4's bounded replay) must not write those blocks
     cached_lens: torch.Tensor | None = None
+    # [B] int64: the first position whose final hidden state this step or a later one needs (its logits);
+    # a model may skip work no needed position depends on. None: every position is needed
+    needed_from: torch.Tensor | None = None
 
     @property
     def num_seqs(self) -> int:

@@ -72,6 +72,7 @@ def build_state(settings: ServeSettings):
         max_num_batched_tokens=settings.max_num_batched_tokens,
         enable_prefix_caching=settings.enable_prefix_caching,
         prefix_replay=settings.prefix_replay,
+        window_snapshot_gb=settings.window_snapshot_gb,
         batch_invariant=settings.batch_invariant,
         graph_batch_size=0 if settings.enforce_eager else 256,
         progress=sys.stderr.isatty(),
@@ -247,6 +248,14 @@ def _engine_flags(parser: argparse.ArgumentParser) -> None:
         help="what a prefix hit recomputes to rebuild DeepSeek-V4/V4.1's sliding windows: exact (every token they "
         "depend on; outputs equal a run without the hit) or bounded (the last 128 tokens, as DeepSeek's engine: "
         "faster, approximate); other models ignore it",
+    )
+    p.add_argument(
+        "--window-snapshot-gb",
+        metavar="GIB",
+        type=float,
+        default=_default("window_snapshot_gb"),
+        help="host memory for snapshots of DeepSeek-V4/V4.1's windows at block boundaries: a prefix hit at a "
+        "snapshot restores them exactly with nothing replayed (least recently used first out; 0: none)",
     )
     p.add_argument(
         "--batch-invariant",

@@ -152,6 +152,7 @@ class ServeSettings(BaseSettings):
     max_num_batched_tokens: int = Field(2048, ge=1)
     enable_prefix_caching: bool = True
     prefix_replay: PrefixReplay = "exact"
+    window_snapshot_gb: float = Field(4.0, ge=0)
     batch_invariant: bool = False
     enforce_eager: bool = False
     # the HTTP server

@@ -9,6 +9,8 @@ Models with per-sequence caches (DeepSeek-V4's sliding windows and compressor st
 per block: a request admitted with a cached prefix recomputes the last `replay_tokens` tokens before
 its end to rebuild them, and reads everything else from the cached blocks. Each running request also
 holds one sequence slot for those caches. How many tokens is the engine's choice (`prefix_replay_tokens`).
+Where a window snapshot of a hit block's end is kept (engine/snapshots.py), the request instead starts
+there with the snapshot written into its slot: exact, and nothing before it is recomputed.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from dataclasses import dataclass
 from typing import Literal, get_args
 
 from deepinfer_core.engine.request import Request
+from deepinfer_core.engine.snapshots import WindowSnapshots
 from deepinfer_core.errors import DeepInferError
 
 __all__ = [
@@ -81,8 +84,10 @@ class BlockManager:
         *,
         num_seq_slots: int | None = None,
         replay_tokens: int = 0,
+        snapshots: WindowSnapshots | None = None,
     ) -> None:
         self.block_size = block_size
+        self.snapshots = snapshots if snapshots is not None and snapshots.enabled else None
         self.num_blocks = num_blocks
         self.enable_prefix_caching = enable_prefix_caching
         self.replay_tokens = replay_tokens
@@ -129,7 +134,7 @@ class BlockManager:
         False also when no sequence slot is free."""
         hits, hashes = self._prefix_hits(request)
         cached = len(hits) * self.block_size
-        start = max(0, cached - self.replay_tokens)
+        start, snapshot = self._start(hashes)
         reused_free = sum(1 for b in hits if self._blocks[b].ref_count == 0)
         needed = max(self.blocks_for(start + num_new_tokens) - len(hits), 0)
         if self.num_free_blocks - reused_free < needed or not self._seq_slot_free():
@@ -141,6 +146,8 @@ class BlockManager:
         request.num_cached_tokens = cached
         request.num_computed_tokens = request.window_start = start
         request.seq_slot = self._take_seq_slot()
+        if snapshot >= 0:
+            request.window_start = self.snapshots.restore(hashes[snapshot], request.seq_slot)
         self.prefix_queries += request.num_tokens
         self.prefix_hits += cached
         return True
@@ -148,7 +155,18 @@ class BlockManager:
     def cached_prefix_tokens(self, request: Request) -> int:
         """The position `admit` would start computing the request from right now: its cached prefix,
         less the tokens replayed to rebuild per-sequence caches."""
-        return max(0, len(self._prefix_hits(request)[0]) * self.block_size - self.replay_tokens)
+        return self._start(self._prefix_hits(request)[1])[0]
+
+    def _start(self, hashes: list[bytes]) -> tuple[int, int]:
+        """Where a request whose cached prefix has block hashes `hashes` starts computing, and the index in
+        `hashes` of the window snapshot it restores there (-1: none; it replays from the start instead). A
+        snapshot is taken when it is no earlier than the replay's start."""
+        cached = len(hashes) * self.block_size
+        start = max(0, cached - self.replay_tokens)
+        if self.snapshots is None or start == cached:
+            return start, -1
+        snapshot = self.snapshots.latest(hashes, first=max(0, -(-start // self.block_size) - 1))
+        return (start, -1) if snapshot < 0 else ((snapshot + 1) * self.block_size, snapshot)
 
     def grow(self, request: Request, num_tokens: int) -> bool:
         """Make the request's blocks cover `num_tokens` tokens. False (and no change) if blocks ran out."""

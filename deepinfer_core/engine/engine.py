@@ -29,6 +29,7 @@ from deepinfer_core.engine.pending import HostPromptLogprobs, LaunchedStep
 from deepinfer_core.engine.request import Delta, Logprob, Request, RequestGroup, RequestOutput
 from deepinfer_core.engine.runner import ModelRunner
 from deepinfer_core.engine.scheduler import Scheduler, SchedulerConfig
+from deepinfer_core.engine.snapshots import PendingSnapshot, WindowSnapshots, first_needed
 from deepinfer_core.engine.stops import find_stop, held_back
 from deepinfer_core.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from deepinfer_core.errors import DeepInferError
@@ -51,6 +52,8 @@ class EngineConfig:
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     enable_prefix_caching: bool = True
     prefix_replay: PrefixReplay = "exact"  # a hit's replay of per-sequence caches: all of it, or one block
+    # host memory for window snapshots at block boundaries (engine/snapshots.py); 0: none, hits replay
+    window_snapshot_bytes: int = 4 << 30
     scheduler: SchedulerConfig = SchedulerConfig()
     async_scheduling: bool | None = None  # None: where the backend's capabilities say it supports it
     graph_batch_size: int = 256  # decode steps of up to this many sequences replay device graphs; 0: never
@@ -59,6 +62,11 @@ class EngineConfig:
     def __post_init__(self) -> None:
         for name in ("num_kv_blocks", "kv_cache_memory_bytes", "max_model_len"):
             at_least_one(name, getattr(self, name))
+        if self.window_snapshot_bytes < 0:
+            raise DeepInferError(
+                f"window_snapshot_bytes (--window-snapshot-gb) must be 0 (no snapshots) or more, "
+                f"got {self.window_snapshot_bytes}"
+            )
         check_prefix_replay(self.prefix_replay)
 
 
@@ -76,14 +84,6 @@ class Engine:
         self.max_model_len = context_length(config.max_model_len, model.config.max_position_embeddings)
         block_size = backend.kv_layout.block_size
         num_blocks = config.num_kv_blocks or self._blocks_for_memory(config.kv_cache_memory_bytes, block_size)
-        self.blocks = BlockManager(
-            num_blocks,
-            block_size,
-            config.enable_prefix_caching,
-            num_seq_slots=config.scheduler.max_num_seqs,
-            replay_tokens=prefix_replay_tokens(config.prefix_replay, getattr(model, "replay_tokens", 0)),
-        )
-        self.scheduler = Scheduler(config.scheduler, self.blocks, backend.cost_model)
         self.runner = ModelRunner(
             model,
             backend,
@@ -93,6 +93,24 @@ class Engine:
             max_model_len=self.max_model_len,
             num_seq_slots=config.scheduler.max_num_seqs,
         )
+        snapshots = WindowSnapshots(
+            backend.kv_layout,
+            model.cache_specs,
+            self.runner.caches,
+            backend.torch_device,
+            config.window_snapshot_bytes if config.enable_prefix_caching else 0,
+        )
+        self.blocks = BlockManager(
+            num_blocks,
+            block_size,
+            config.enable_prefix_caching,
+            num_seq_slots=config.scheduler.max_num_seqs,
+            replay_tokens=prefix_replay_tokens(config.prefix_replay, getattr(model, "replay_tokens", 0)),
+            snapshots=snapshots,
+        )
+        self.snapshots = self.blocks.snapshots  # None: the model has no per-sequence caches, or no budget
+        self.runner.snapshot_boundaries = self.snapshots is not None
+        self.scheduler = Scheduler(config.scheduler, self.blocks, backend.cost_model)
         self.observers = list(observers)
         eos = set(model.config.eos_token_ids)
         if tokenizer is not None and tokenizer.eos_token_id is not None:
@@ -234,10 +252,14 @@ class Engine:
         if not scheduled.requests:
             return None
         in_flight = self._in_flight.tokens() if self._in_flight else None
+        # as the runner computes it for the step: the snapshots below are whole from there on
+        needed = [first_needed(r, self.blocks.block_size, True) for r, _ in scheduled.requests]
         launched = LaunchedStep(scheduled, self.runner.execute(scheduled.requests, in_flight))
-        for request, count in scheduled.requests:
+        for (request, count), first in zip(scheduled.requests, needed):
             request.num_computed_tokens += count
             self.blocks.cache_full_blocks(request)  # blocks whose tokens are all known on the host
+            if self.snapshots is not None:
+                self._snapshot(request, first)
             if request.num_computed_tokens >= len(request.prompt_token_ids):
                 self._release_samples(request)
         for request in launched.sampled:
@@ -245,6 +267,30 @@ class Engine:
         for chunk in launched.output.prompt_logprobs:
             chunk.request.num_prompt_logprobs = chunk.first + chunk.logprobs.logprobs.shape[0] - 1
         return launched
+
+    def _snapshot(self, request: Request, needed: int) -> None:
+        """Snapshot the request's windows if the step just issued left it at a block boundary where every
+        layer computed them (not below `needed`, the step's first needed position: below it a model may
+        have skipped late layers). Kept under the block's hash, or pending until that hash is known."""
+        end, size = request.num_computed_tokens, self.blocks.block_size
+        if request.finished:
+            return
+        if end == 0 or end % size or end < needed:
+            self._keep_pending_snapshot(request)
+            return
+        index = end // size - 1
+        if index < len(request.block_hashes) and request.block_hashes[index] in self.snapshots:
+            return  # the same prefix's windows are kept already
+        snapshot = self.snapshots.capture(request.seq_slot, request.window_start)
+        request.pending_snapshot = PendingSnapshot(index, snapshot)
+        self._keep_pending_snapshot(request)
+
+    def _keep_pending_snapshot(self, request: Request) -> None:
+        """Store the request's pending snapshot once the hash of its block is known."""
+        pending = request.pending_snapshot
+        if pending is not None and pending.block_index < len(request.block_hashes):
+            self.snapshots.put(request.block_hashes[pending.block_index], pending.snapshot)
+            request.pending_snapshot = None
 
     def _release_samples(self, request: Request) -> None:
         """The request's prompt is computed and its full blocks cached: its held samples may run now."""
@@ -275,6 +321,8 @@ class Engine:
                 self._detokenizers.pop(request, None)
             else:  # the block this token completes, if the next step already computed it
                 self.blocks.cache_full_blocks(request)
+                if self.snapshots is not None:
+                    self._keep_pending_snapshot(request)
             changed.setdefault(self._requests[request.request_id], {})[request.index] = (new_text, (token,))
         outputs = []
         for group, deltas in changed.items():

@@ -5,13 +5,20 @@ from __future__ import annotations
 
 from deepinfer_core.errors import DeepInferError
 
-__all__ = ["at_least_one", "context_length"]
+__all__ = ["at_least_one", "context_length", "gib_bytes"]
 
 
 def at_least_one(name: str, value: int | None) -> None:
     """Refuse a count or size (None: unset) below 1, naming it as the API and the command line spell it."""
     if value is not None and value < 1:
         raise DeepInferError(f"{name} (--{name.replace('_', '-')}) must be at least 1, got {value}")
+
+
+def gib_bytes(name: str, gib: float) -> int:
+    """A size given in GiB (0 or more, as `name` / --name spells it) in bytes."""
+    if not isinstance(gib, int | float) or isinstance(gib, bool) or not gib >= 0:
+        raise DeepInferError(f"{name} (--{name.replace('_', '-')}) must be a number of GiB, 0 or more, got {gib!r}")
+    return int(gib * (1 << 30))
 
 
 def context_length(max_model_len: int | None, model_limit: int) -> int:

@@ -17,7 +17,7 @@ from deepinfer_core.backend.selection import requested_accelerator, select_backe
 from deepinfer_core.engine.dtypes import KV_DTYPE_NAMES, check_kv_cache_dtype, choose_dtype, parse_dtype
 from deepinfer_core.engine.engine import Engine, EngineConfig
 from deepinfer_core.engine.hub import TOKENIZER_FILES, resolve_location
-from deepinfer_core.engine.limits import at_least_one, context_length
+from deepinfer_core.engine.limits import at_least_one, context_length, gib_bytes
 from deepinfer_core.engine.memory import check_utilization, kv_budget_from_utilization, model_bytes
 from deepinfer_core.engine.prompts import ChatRenderer, PromptType, normalize_conversations, normalize_prompts
 from deepinfer_core.engine.request import RequestOutput
@@ -89,6 +89,9 @@ class LLM:
         per-sequence states: "exact" (every token they depend on: the layers x (window - 1) tokens before the
         hit's end; outputs equal a run without the hit) or "bounded" (only the last 128, as DeepSeek's own
         engine: faster, and the logits just past the hit differ from a run without it). Other models ignore it.
+    window_snapshot_gb: host memory (GiB) for snapshots of DeepSeek-V4/V4.1's windows and per-sequence states
+        at block boundaries: a prefix hit at a snapshotted boundary restores them exactly and replays nothing
+        (least recently used first out; 0: none, every hit replays). Other models ignore it.
     progress: progress bars while the model downloads, is built or loads.
     """
 
@@ -112,6 +115,7 @@ class LLM:
         max_num_batched_tokens: int = 2048,
         enable_prefix_caching: bool = True,
         prefix_replay: Literal["exact", "bounded"] = "exact",
+        window_snapshot_gb: float = 4.0,
         async_scheduling: bool | None = None,
         batch_invariant: bool = False,
         graph_batch_size: int = 256,
@@ -132,6 +136,7 @@ class LLM:
             max_model_len=max_model_len,
             enable_prefix_caching=enable_prefix_caching,
             prefix_replay=prefix_replay,
+            window_snapshot_bytes=gib_bytes("window_snapshot_gb", window_snapshot_gb),
             async_scheduling=async_scheduling,
             graph_batch_size=graph_batch_size,
             scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens),

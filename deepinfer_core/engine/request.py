@@ -61,6 +61,7 @@ class Request:
     index: int = 0  # which of its request's samples this sequence is
     min_tokens_masked: tuple[int, ...] = ()  # token ids that cannot be sampled before params.min_tokens (EOS, stop ids)
     num_prompt_logprobs: int = 0  # prompt tokens (from the second) whose logprobs a launched step computed
+    pending_snapshot: object | None = None  # a snapshots.PendingSnapshot waiting for its block's hash
 
     @property
     def num_tokens(self) -> int:

@@ -18,6 +18,7 @@ from deepinfer_core.backend.resolve import ResolvedBackend
 from deepinfer_core.engine.graphs import DecodeGraphs
 from deepinfer_core.engine.pending import InFlightTokens
 from deepinfer_core.engine.request import Request
+from deepinfer_core.engine.snapshots import first_needed
 from deepinfer_core.engine.transfer import to_device
 from deepinfer_core.kv.caches import allocate_caches
 from deepinfer_core.sampling.logprobs import TokenLogprobs, logprobs_of, ranks_of, with_raw_logprobs
@@ -89,6 +90,7 @@ class ModelRunner:
         units = num_blocks + 1 if use_graphs else num_blocks  # block `num_blocks`: the padding rows' scratch
         self.caches = allocate_caches(backend.kv_layout, model.cache_specs, units, num_seq_slots)
         self.logits_processors = list(logits_processors)
+        self.snapshot_boundaries = False  # the engine keeps window snapshots: see snapshots.first_needed
         self.graphs = None
         if use_graphs:
             self.graphs = DecodeGraphs(
@@ -105,7 +107,7 @@ class ModelRunner:
     def prepare(self, scheduled: Sequence[tuple[Request, int]], in_flight: InFlightTokens | None = None) -> StepBatch:
         """The step's inputs on the device. A request's newest token may be one `in_flight` sampled."""
         token_ids, positions, slots, starts, seq_lens, tables, sample_rows, last = [], [], [], [0], [], [], [], []
-        seq_slots, window_starts, cached_lens, prompt_spans = [], [], [], []
+        seq_slots, window_starts, cached_lens, needed_from, prompt_spans = [], [], [], [], []
         fill_at, fill_from = [], []  # index in token_ids <- row of in_flight.token_ids
         for row, (request, count) in enumerate(scheduled):
             begin, end = request.num_computed_tokens, request.num_computed_tokens + count
@@ -132,6 +134,7 @@ class ModelRunner:
             seq_slots.append(request.seq_slot)
             window_starts.append(request.window_start)
             cached_lens.append(request.num_cached_tokens)
+            needed_from.append(first_needed(request, self.block_size, self.snapshot_boundaries))
             if end == request.num_tokens:  # the step reaches its last token: sample the next one
                 sample_rows.append(row)
                 last.append(starts[-1] - 1)
@@ -144,7 +147,7 @@ class ModelRunner:
         tokens = to_device(token_ids, device)  # [T]
         if fill_at:
             tokens[to_device(fill_at, device)] = in_flight.token_ids[to_device(fill_from, device)]
-        fields = (starts, seq_lens, block_tables, slots, seq_slots, window_starts, cached_lens)
+        fields = (starts, seq_lens, block_tables, slots, seq_slots, window_starts, cached_lens, needed_from)
         on_device = [to_device(values, device) for values in fields]
         meta = AttentionMetadata(*on_device)
         sampled = [scheduled[row][0] for row in sample_rows]

@@ -3,7 +3,9 @@
 Running requests go first, in arrival order (a decode is 1 token; a prefill chunk is as many tokens as
 the budget and the backend's cost model allow). When KV blocks run out, the latest-arrived running
 request is preempted: its blocks are freed and it goes back to the front of the queue, to be
-recomputed later (largely from the prefix cache). Waiting requests are admitted only while nothing
+recomputed later (largely from the prefix cache). Where window snapshots are kept, a prompt's computation
+stops once at its last block boundary, so that a later request sharing the prompt finds its windows
+there (engine/snapshots.py). Waiting requests are admitted only while nothing
 had to be preempted this step. With asynchronous scheduling a request's newest token may still be in
 flight (`Request.num_pending_tokens`): it is planned for like any other token.
 """
@@ -18,6 +20,7 @@ from deepinfer_core.engine.block_manager import BlockManager
 from deepinfer_core.engine.cost import CostModel, largest_chunk
 from deepinfer_core.engine.limits import at_least_one
 from deepinfer_core.engine.request import Request, RequestStatus
+from deepinfer_core.engine.snapshots import snapshot_boundary
 
 __all__ = ["ScheduledStep", "Scheduler", "SchedulerConfig"]
 
@@ -62,6 +65,10 @@ class Scheduler:
 
     def _chunk(self, request: Request, computed: int, budget: int) -> int:
         remaining = request.num_tokens - computed
+        if self.blocks.snapshots is not None:  # end a step at the last block boundary: its windows are kept
+            boundary = snapshot_boundary(request.num_tokens, self.blocks.block_size)
+            if computed < boundary:
+                remaining = boundary - computed
         if remaining <= 1:
             return min(remaining, budget)
         fits = largest_chunk(self.cost_model, computed, remaining, self.config.step_budget_s)

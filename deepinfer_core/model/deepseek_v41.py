@@ -23,6 +23,7 @@ from deepinfer_core.model.rope import rotary_tables
 from deepinfer_core.model.v4_step import V4Step
 from deepinfer_core.model.v41_attention import SharedIndices, V41Attention
 from deepinfer_core.model.v41_engram import ENGRAM_STATE, EngramLayer, EngramTables, NgramHasher
+from deepinfer_core.model.v41_skip import layer_starts
 
 __all__ = ["DeepseekV41Model", "FLOAT32_WEIGHTS_V41", "expected_weights_v41"]
 
@@ -189,9 +190,18 @@ class DeepseekV41Model:
         meta: AttentionMetadata,
         caches: list[dict[str, torch.Tensor]],
     ) -> torch.Tensor:
-        """token_ids, positions [T] -> final hidden states [T, D]; reads and writes every layer's caches."""
+        """token_ids, positions [T] -> final hidden states [T, D]; reads and writes every layer's caches.
+
+        With `meta.needed_from`, each layer processes only the tokens a needed position depends on
+        (v41_skip.py): the rows before a sequence's needed_from mean nothing then, and those of tokens that
+        skipped the last layer are zeros.
+        """
         ops, cfg, eps = self.ops, self.config, self.config.rms_norm_eps
         step = V4Step(meta, positions, self.block_size)
+        starts = None  # per layer, per sequence: its first position the layer processes
+        if meta.needed_from is not None and positions.shape[0] > meta.num_seqs:  # one token each: nothing to skip
+            starts = layer_starts(cfg, meta.needed_from.tolist(), meta.cached_lens.tolist())
+        rows = None  # the input rows the layers still process, once fewer than all
         streams = self.embed[token_ids][:, None, :].expand(-1, cfg.hc_mult, -1).contiguous()  # [T, N, D]
         engram_rows = None
         if self.hasher is not None:
@@ -202,8 +212,16 @@ class DeepseekV41Model:
         pre[:, 0] = 1.0
         shared = SharedIndices()
         for i, (mixers, (attn_norm, ffn_norm), attention, moe, engram) in enumerate(self.layers):
+            if starts is not None:
+                step, keep = step.suffix(starts[i])
+                if keep is not None:
+                    if not step.num_tokens:
+                        return streams.new_zeros(positions.shape[0], cfg.hidden_size)
+                    streams, pre, token_ids, shared = streams[keep], pre[keep], token_ids[keep], shared.rows(keep)
+                    rows = keep if rows is None else rows[keep]
             if engram is not None:
-                streams = engram(streams, engram_rows[engram.index])
+                table_rows = engram_rows[engram.index]
+                streams = engram(streams, table_rows if rows is None else table_rows[rows])
             attn_pre, post, comb = self._mixes(streams, mixers[0])
             x = ops.rms_norm(ops.hc_collapse(streams, pre), attn_norm, eps)
             group = caches[attention.plan.kv_source] if attention.plan.kv_source is not None else None
@@ -211,7 +229,10 @@ class DeepseekV41Model:
             pre, post, comb = self._mixes(streams, mixers[1])
             x = ops.rms_norm(ops.hc_collapse(streams, attn_pre), ffn_norm, eps)
             streams = ops.hc_expand(moe(x, token_ids), streams, post, comb)
-        return ops.rms_norm(ops.hc_collapse(streams, pre), self.norm, eps)
+        hidden = ops.rms_norm(ops.hc_collapse(streams, pre), self.norm, eps)  # [T', D]
+        if rows is None:
+            return hidden
+        return hidden.new_zeros(positions.shape[0], cfg.hidden_size).index_copy_(0, rows, hidden)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, D] -> logits [N, V] float32."""

@@ -47,6 +47,10 @@ class SharedIndices:
     indices: torch.Tensor | None = None  # [T, index_topk] entries of the group (-1: none)
     blocks: torch.Tensor | None = None  # [T, candidate_topk_blocks] the candidate source's blocks (-1: none)
 
+    def rows(self, keep: torch.Tensor) -> SharedIndices:
+        """The same for the step's tokens `keep` [T'] (a narrower step's, v4_step.V4Step.suffix)."""
+        return SharedIndices(*(None if t is None else t[keep] for t in (self.indices, self.blocks)))
+
 
 class GroupCompressor:
     """A KV source's compressor: entries of `ratio` tokens (gated pooling in float32 when ratio > 1, the

@@ -2,11 +2,14 @@
 finishes and where their tokens' projections are, which state rows and ring slots it writes.
 
 Built once per forward from the attention metadata (host lists; a device-side planner is future work).
+A model that skips tokens in some layers (V4.1, v41_skip.py) narrows it to the tokens a layer processes.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import accumulate
 
 import torch
 
@@ -31,17 +34,27 @@ class CompressPlan:
 
 
 class V4Step:
-    def __init__(self, meta: AttentionMetadata, positions: torch.Tensor, block_size: int) -> None:
+    def __init__(
+        self,
+        meta: AttentionMetadata,
+        positions: torch.Tensor,
+        block_size: int,
+        host: list | None = None,
+        origins: list[int] | None = None,
+    ) -> None:
+        """`host`: meta's query_start_loc, seq_lens, seq_slots, cached_lens and block_tables as host lists,
+        when the caller has them (`suffix`); read from the device otherwise. `origins`: each sequence's index
+        in the batch of the step this one was narrowed from (`suffix`), if it was."""
         if meta.seq_slots is None or meta.window_starts is None or meta.cached_lens is None:
             raise ValueError("DeepSeek-V4 needs seq_slots, window_starts and cached_lens in the attention metadata")
         self.meta, self.positions, self.block_size = meta, positions, block_size
         self.seq_slots = meta.seq_slots
         self.device = meta.seq_lens.device
-        self._starts = meta.query_start_loc.tolist()
-        self._ends = meta.seq_lens.tolist()
-        self._slots = meta.seq_slots.tolist()
-        self._cached = meta.cached_lens.tolist()
-        self._tables = meta.block_tables.tolist()
+        if host is None:
+            fields = (meta.query_start_loc, meta.seq_lens, meta.seq_slots, meta.cached_lens, meta.block_tables)
+            host = [t.tolist() for t in fields]
+        self._starts, self._ends, self._slots, self._cached, self._tables = host
+        self.origins = list(range(len(self._ends))) if origins is None else origins
         self._plans: dict[tuple[int, bool], CompressPlan] = {}
         self._rings: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
@@ -50,6 +63,47 @@ class V4Step:
         for b, end in enumerate(self._ends):
             count = self._starts[b + 1] - self._starts[b]
             yield b, self._starts[b], end - count, end
+
+    @property
+    def num_tokens(self) -> int:
+        return self.positions.shape[0]
+
+    def suffix(self, starts: Sequence[int]) -> tuple[V4Step, torch.Tensor | None]:
+        """This step restricted to each sequence's tokens at positions >= its entry of `starts` (one per
+        sequence of the step first built, that `origins` index), and the rows [T'] of this step's tokens it
+        keeps; (this step, None) when it keeps them all.
+
+        A sequence's tokens in a step are its last ones, so a suffix of them is kept and its seq_lens stay;
+        a sequence left with none drops out of every per-sequence field. window_starts rise to the start: a
+        layer run on the narrower step writes no ring entry below it, so the ring holds older ones there.
+        """
+        firsts = [starts[b] for b in self.origins]
+        spans = [  # (sequence, first kept row, end row)
+            (b, row + max(firsts[b] - first, 0), row + end - first)
+            for b, row, first, end in self._sequences()
+            if firsts[b] < end
+        ]
+        counts = [stop - start for _, start, stop in spans]
+        if sum(counts) == self.num_tokens:
+            return self, None
+        seqs = [b for b, _, _ in spans]
+        rows = torch.cat([torch.arange(start, stop) for _, start, stop in spans] or [torch.zeros(0, dtype=torch.int64)])
+        index, rows = self._tensor(seqs), rows.to(self.device)
+        meta, query_start_loc = self.meta, list(accumulate(counts, initial=0))
+        narrowed = AttentionMetadata(
+            query_start_loc=self._tensor(query_start_loc),
+            seq_lens=meta.seq_lens[index],
+            block_tables=meta.block_tables[index],
+            slot_mapping=meta.slot_mapping[rows],
+            seq_slots=meta.seq_slots[index],
+            window_starts=torch.maximum(meta.window_starts[index], self._tensor([firsts[b] for b in seqs])),
+            cached_lens=meta.cached_lens[index],
+            needed_from=None if meta.needed_from is None else meta.needed_from[index],
+        )
+        per_sequence = (self._ends, self._slots, self._cached, self._tables)
+        host = [query_start_loc] + [[values[b] for b in seqs] for values in per_sequence]
+        origins = [self.origins[b] for b in seqs]
+        return V4Step(narrowed, self.positions[rows], self.block_size, host, origins), rows
 
     def _tensor(self, values, dtype=torch.int64) -> torch.Tensor:
         return torch.tensor(values, dtype=dtype, device=self.device)

@@ -43,6 +43,7 @@ def test_prefix_replay_writes_a_complete_report(tmp_path):
         "full_recompute",
         "exact_replay",
         "bounded_replay",
+        "snapshot_restore",
         "floor_no_replay",
         "full_recompute_other_chunks",
     }
@@ -53,7 +54,10 @@ def test_prefix_replay_writes_a_complete_report(tmp_path):
     assert systems["exact_replay"]["prefill_tokens_computed"] == [320 - hit + 45]
     assert systems["bounded_replay"]["prefill_tokens_computed"] == [320 - hit + 45]  # 45 < 128: the same replay
     assert systems["floor_no_replay"]["prefill_tokens_computed"] == [320 - hit]
-    assert report["first_token_agrees_full_vs_exact_replay"] == [True]
+    # the earlier 296-token prompt stopped at its last block boundary (256) and left a snapshot there
+    assert systems["snapshot_restore"]["cached_tokens"] == [hit]
+    assert systems["snapshot_restore"]["prefill_tokens_computed"] == [320 - hit]
+    assert report["first_token_agrees_full_vs_exact_replay_and_snapshot_restore"] == [True, True]
     assert report["bounded_drift_vs_exact"]["first_token_past_the_hit"]["greedy_agrees"] is True
     assert report["flash_estimate"]["exact_replay_tokens"] == 43 * 127
 
@@ -73,7 +77,8 @@ def test_prefix_replay_runs_deepseek_v41_and_bounds_its_replay(tmp_path):
     assert hit == 256  # V4.1 runs with DeepSeek's 128-token blocks
     assert systems["exact_replay"]["prefill_tokens_computed"] == [320 - hit + 150]
     assert systems["bounded_replay"]["prefill_tokens_computed"] == [320 - hit + 128]
-    assert report["first_token_agrees_full_vs_exact_replay"] == [True]
+    assert systems["snapshot_restore"]["prefill_tokens_computed"] == [320 - hit]  # restored, nothing replayed
+    assert report["first_token_agrees_full_vs_exact_replay_and_snapshot_restore"] == [True, True]
     assert set(report["bounded_drift_vs_exact"]["first_token_past_the_hit"]) == {
         "max_abs_logprob_diff",
         "kl_divergence",

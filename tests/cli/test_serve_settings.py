@@ -333,3 +333,26 @@ def test_the_help_shows_the_new_flags_with_their_defaults(capsys, monkeypatch):
     assert entries["--allowed-headers JSON"].endswith(f"(default: {json.dumps(['*'])})")
     assert entries["--allow-credentials"].endswith("(default: False)")
     assert "DEEPINFER_MAX_NUM_SEQS" in out  # the description says the environment works too
+
+
+def test_the_window_snapshot_budget_comes_from_its_flag_or_variable(settings_of, monkeypatch):
+    assert settings_of().window_snapshot_gb == 4.0
+    assert settings_of("--window-snapshot-gb", "0.5").window_snapshot_gb == 0.5
+    monkeypatch.setenv("DEEPINFER_WINDOW_SNAPSHOT_GB", "0")
+    assert settings_of().window_snapshot_gb == 0
+
+
+def test_the_window_snapshot_budget_reaches_the_model(monkeypatch):
+    from deepinfer_core.cli.settings import Given, load_settings
+    from deepinfer_core.engine import llm
+
+    def loading(**kwargs):
+        raise Captured(str(kwargs["window_snapshot_gb"]))
+
+    monkeypatch.setattr(llm, "LLM", loading)
+    with pytest.raises(Captured, match=r"^1\.5$"):
+        serve.build_state(load_settings(Given("flag", {"window_snapshot_gb": 1.5}, {})))
+
+
+def test_a_negative_window_snapshot_budget_is_refused(refusal):
+    assert "--window-snapshot-gb must be at least 0, got -1" in refusal("--window-snapshot-gb", "-1")

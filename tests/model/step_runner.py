@@ -3,6 +3,8 @@ sequence slots, caches full of garbage (an unwritten read shows), and one ragged
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from deepinfer_core.engine.request import Request
@@ -38,10 +40,13 @@ def garbage_runner(model, backend, *, num_blocks: int, seq_slots: int) -> ModelR
 
 
 @torch.inference_mode()
-def step_logits(model, runner, scheduled) -> list[torch.Tensor]:
-    """One ragged forward of `scheduled` [(request, tokens)]; per request, logits [tokens, V]."""
+def step_logits(model, runner, scheduled, *, every_row: bool = True) -> list[torch.Tensor]:
+    """One ragged forward of `scheduled` [(request, tokens)]; per request, logits [tokens, V]. Every row's
+    logits are asked for, unless `every_row` is False: then the runner's needed_from stands, and a model may
+    skip what the requests' last tokens do not need (the rows before them may be garbage)."""
     batch = runner.prepare(scheduled)
-    logits = model.logits(model.forward(batch.token_ids, batch.positions, batch.meta, runner.caches))
+    meta = replace(batch.meta, needed_from=None) if every_row else batch.meta
+    logits = model.logits(model.forward(batch.token_ids, batch.positions, meta, runner.caches))
     starts = batch.meta.query_start_loc.tolist()
     for request, count in scheduled:
         request.num_computed_tokens += count

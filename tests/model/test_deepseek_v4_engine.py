@@ -77,7 +77,7 @@ def _prefix_pair() -> tuple[list[int], list[int]]:
 
 
 def _second_with_prefix_hit(ckpt, replay_tokens: int | None = None):
-    llm = _llm(ckpt)
+    llm = _llm(ckpt, window_snapshot_gb=0)  # every hit replays (test_window_snapshots.py: restoring one)
     if replay_tokens is not None:
         llm.engine.blocks.replay_tokens = replay_tokens
     first, second = _prefix_pair()

@@ -41,6 +41,8 @@ def deep_v41(tmp_path_factory) -> Path:
 
 
 def _llm(model: str | Path, **kwargs) -> LLM:
+    """An engine that replays on every hit: no window snapshots (test_window_snapshots.py has those)."""
+    kwargs.setdefault("window_snapshot_gb", 0)
     return LLM(
         model=str(model),
         accelerator="cpu",

@@ -1,0 +1,70 @@
+"""V4Step.suffix: a step narrowed to a suffix of each sequence's tokens plans as one built from the narrowed
+metadata, drops the sequences left with none, and masks the ring entries below each sequence's first kept
+position."""
+
+from __future__ import annotations
+
+import torch
+
+from deepinfer_core.backend.ops import AttentionMetadata
+from deepinfer_core.model.v4_step import V4Step
+
+BLOCK = 8
+
+
+def _step() -> V4Step:
+    """Three sequences: positions 10..19 (cached prefix 8), 0..4, 30..37 (window_start 28)."""
+    meta = AttentionMetadata(
+        query_start_loc=torch.tensor([0, 10, 15, 23]),
+        seq_lens=torch.tensor([20, 5, 38]),
+        block_tables=torch.tensor([[3, 4, 5, -1, -1], [6, -1, -1, -1, -1], [7, 8, 9, 10, 11]]),
+        slot_mapping=torch.arange(100, 123),
+        seq_slots=torch.tensor([2, 0, 1]),
+        window_starts=torch.tensor([0, 0, 28]),
+        cached_lens=torch.tensor([8, 0, 0]),
+        needed_from=torch.tensor([19, 4, 37]),
+    )
+    positions = torch.cat([torch.arange(10, 20), torch.arange(0, 5), torch.arange(30, 38)])
+    return V4Step(meta, positions, BLOCK)
+
+
+def _same_plans(got: V4Step, want: V4Step) -> None:
+    for ring in (4, 16):
+        assert all(torch.equal(a, b) for a, b in zip(got.ring_writes(ring), want.ring_writes(ring)))
+    for rate in (1, 2, 4):
+        mine, theirs = got.compress_plan(rate, False), want.compress_plan(rate, False)
+        for field in mine.__slots__:
+            a, b = getattr(mine, field), getattr(theirs, field)
+            assert torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b, (rate, field)
+
+
+def test_a_suffix_keeps_each_sequences_last_tokens_and_drops_the_emptied_ones():
+    step = _step()
+    narrowed, rows = step.suffix([15, 9, 0])  # sequence 1 (positions 0..4) keeps nothing
+    assert rows.tolist() == [5, 6, 7, 8, 9] + list(range(15, 23))
+    meta = narrowed.meta
+    assert meta.query_start_loc.tolist() == [0, 5, 13]
+    assert meta.seq_lens.tolist() == [20, 38]
+    assert meta.block_tables.tolist() == [[3, 4, 5, -1, -1], [7, 8, 9, 10, 11]]
+    assert meta.slot_mapping.tolist() == [105, 106, 107, 108, 109] + list(range(115, 123))
+    assert meta.seq_slots.tolist() == [2, 1]
+    assert meta.window_starts.tolist() == [15, 28]  # raised to the first kept position, never lowered
+    assert meta.cached_lens.tolist() == [8, 0] and meta.needed_from.tolist() == [19, 37]
+    assert narrowed.positions.tolist() == list(range(15, 20)) + list(range(30, 38))
+    _same_plans(narrowed, V4Step(meta, narrowed.positions, BLOCK))
+
+
+def test_starts_follow_the_first_steps_sequences_through_repeated_narrowing():
+    step, _ = _step().suffix([12, 5, 0])  # drops sequence 1: the next starts still index the first batch
+    again, rows = step.suffix([17, 99, 35])
+    assert again.origins == [0, 2]
+    assert again.positions.tolist() == [17, 18, 19, 35, 36, 37]
+    assert rows.tolist() == [5, 6, 7, 13, 14, 15]  # rows of `step`, not of the first batch
+    assert again.meta.window_starts.tolist() == [17, 35]
+
+
+def test_keeping_everything_is_the_same_step_and_keeping_nothing_an_empty_one():
+    step = _step()
+    assert step.suffix([0, 0, 30]) == (step, None)
+    empty, rows = step.suffix([20, 5, 38])
+    assert empty.num_tokens == 0 and rows.numel() == 0 and empty.meta.num_seqs == 0
