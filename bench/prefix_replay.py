@@ -14,6 +14,8 @@ run, side by side, same weights, same prompts:
 - `snapshot_restore`: the prefix was the whole prompt of an earlier request, which left a window snapshot
   at its end (engine/snapshots.py, `--window-snapshot-gb`): the hit restores it and only the suffix is
   prefilled, exactly (the replay systems above run without snapshots);
+- `full_recompute_every_layer`: full_recompute with every layer computing every token (`needed_from`
+  cleared): against full_recompute, what DeepSeek-V4.1's CED prefill saves (V4 has nothing to skip);
 - `floor_no_replay`: the same hit with the replay switched off. Its output is WRONG (the windows are
   stale); it is the floor that storing every window per block would reach, for timing only.
 - `full_recompute_other_chunks`: the full prefill in half-size chunks: how far rounding alone moves logits.
@@ -34,6 +36,7 @@ bench/README.md has the commands behind the results files.)
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import sys
@@ -45,10 +48,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))  # run as a script: bench/ holds its helpers
 from _common import machine, median, versions  # noqa: E402
-from _replay_models import FLASH_LAYERS, MODELS, block_size, make_checkpoint  # noqa: E402
+from _replay_models import FLASH_LAYERS, MODELS, block_size, is_v41, make_checkpoint  # noqa: E402
 
 from deepinfer_core.engine.block_manager import BOUNDED_REPLAY_TOKENS  # noqa: E402
 from deepinfer_core.engine.llm import LLM  # noqa: E402
+from deepinfer_core.model.config_v41 import DeepseekV41Config  # noqa: E402
+from deepinfer_core.model.v41_skip import layer_starts  # noqa: E402
 from deepinfer_core.sampling.params import SamplingParams  # noqa: E402
 
 HITS = ("exact_replay", "bounded_replay", "snapshot_restore")  # the systems with a prefix hit
@@ -68,6 +73,27 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--accelerator", default="cpu", help="backend to run on (default: the cpu reference)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     return parser
+
+
+def every_layer(llm: LLM) -> LLM:
+    """`llm` with CED prefill off: its steps say every position is needed, so no layer skips a token."""
+    runner = llm.engine.runner
+    prepare = runner.prepare
+
+    def prepare_all(*args, **kwargs):
+        batch = prepare(*args, **kwargs)
+        return dataclasses.replace(batch, meta=dataclasses.replace(batch.meta, needed_from=None))
+
+    runner.prepare = prepare_all
+    return llm
+
+
+def ced_rows(raw: dict, prompt_len: int) -> float | None:
+    """The fraction of (layer, token) rows a V4.1 full prefill of `prompt_len` tokens computes with CED."""
+    if not is_v41(raw):
+        return None
+    starts = layer_starts(DeepseekV41Config.from_hf(raw), [prompt_len - 1], [0])
+    return sum(prompt_len - max(0, s[0]) for s in starts) / (len(starts) * prompt_len)
 
 
 def record_logprobs(llm: LLM) -> list[torch.Tensor]:
@@ -179,6 +205,7 @@ def main(argv: list[str] | None = None) -> int:
 
         systems = {
             "full_recompute": (llm(enable_prefix_caching=False), None),
+            "full_recompute_every_layer": (every_layer(llm(enable_prefix_caching=False)), None),
             "exact_replay": (llm(window_snapshot_gb=0), warm),
             "bounded_replay": (llm(prefix_replay="bounded", window_snapshot_gb=0), warm),
             "snapshot_restore": (llm(), []),  # the earlier request's prompt is the prefix itself
@@ -258,10 +285,24 @@ def main(argv: list[str] | None = None) -> int:
         },
         "prefill_tokens_saved_fraction": {name: saved(by_name[name], "prefill_tokens_computed") for name in HITS},
         "time_saved_fraction": {name: saved(by_name[name], "median_seconds") for name in HITS},
+        "ced_prefill": {
+            "rows_computed_fraction": ced_rows(raw, args.prompt_len),
+            "time_saved_fraction": 1
+            - by_name["full_recompute"]["median_seconds"] / by_name["full_recompute_every_layer"]["median_seconds"],
+            "rows_computed_fraction_at_flash_depth": {
+                n: ced_rows(MODELS["v41-40layers"], n) for n in (8192, 32768, 131072)
+            },
+        },
         "flash_estimate": flash_estimate(raw, args.prompt_len, args.suffix_len),
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2) + "\n")
+    ced = report["ced_prefill"]
+    if ced["rows_computed_fraction"] is not None:
+        print(
+            f"CED prefill: {ced['rows_computed_fraction']:.1%} of the layer x token rows, "
+            f"{ced['time_saved_fraction']:.1%} of full recompute's time saved"
+        )
     print(f"{'system':28} {'median s':>9} {'best s':>9} {'tokens':>8} {'cached':>7}")
     for r in results:
         computed, hit = median(r["prefill_tokens_computed"]), r["cached_tokens"][0]

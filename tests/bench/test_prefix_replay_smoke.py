@@ -12,6 +12,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "prefix_replay.py"
 TINY = {
     "vocab_size": 512,
@@ -41,6 +43,7 @@ def test_prefix_replay_writes_a_complete_report(tmp_path):
     systems = {r["system"]: r for r in report["results"]}
     assert set(systems) == {
         "full_recompute",
+        "full_recompute_every_layer",
         "exact_replay",
         "bounded_replay",
         "snapshot_restore",
@@ -60,6 +63,7 @@ def test_prefix_replay_writes_a_complete_report(tmp_path):
     assert report["first_token_agrees_full_vs_exact_replay_and_snapshot_restore"] == [True, True]
     assert report["bounded_drift_vs_exact"]["first_token_past_the_hit"]["greedy_agrees"] is True
     assert report["flash_estimate"]["exact_replay_tokens"] == 43 * 127
+    assert report["ced_prefill"]["rows_computed_fraction"] is None  # V4: every layer writes paged caches
 
 
 def test_prefix_replay_runs_deepseek_v41_and_bounds_its_replay(tmp_path):
@@ -85,3 +89,8 @@ def test_prefix_replay_runs_deepseek_v41_and_bounds_its_replay(tmp_path):
         "greedy_agrees",
     }
     assert report["flash_estimate"]["exact_replay_tokens"] == 40 * 127
+    ced = report["ced_prefill"]
+    assert 0 < ced["rows_computed_fraction"] < 1
+    # V4.1 Flash's schedule (sources up to layer 20, 128-token window), 8192 tokens: layers 0-20 all of them,
+    # layer 21 the last 2414 and 127 fewer each layer after: 196,181 of 40 x 8192 rows
+    assert ced["rows_computed_fraction_at_flash_depth"]["8192"] == pytest.approx(196181 / (40 * 8192))
