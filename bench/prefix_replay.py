@@ -236,10 +236,13 @@ def main(argv: list[str] | None = None) -> int:
     # exact in real arithmetic; allowed: the dtype's tolerance, or twice the largest move re-chunking alone
     # made (on deep random models rounding differences grow layer by layer)
     allowed = max(1e-4 if args.dtype == "float32" else 5e-2, 2 * max(noise))
+    # the greedy token must agree too, unless re-chunking alone changed it in that round (a near tie: seen on
+    # DeepSeek-V4.1 at 40 random layers, whose FP8/FP4 roundings turn tiny differences into flips)
+    tie = [a[0] != b[0] for a, b in zip(firsts["full_recompute"], firsts["full_recompute_other_chunks"])]
     agree = [
-        a[0] == b[0] and gap <= allowed
+        (a[0] == b[0] or tied) and gap <= allowed
         for name in ("exact_replay", "snapshot_restore")
-        for a, b, gap in zip(full["first_token_and_logprob"], firsts[name], gaps(name))
+        for a, b, gap, tied in zip(full["first_token_and_logprob"], firsts[name], gaps(name), tie)
     ]
 
     def saved(system: dict, key: str) -> float:
@@ -272,6 +275,8 @@ def main(argv: list[str] | None = None) -> int:
             "snapshot_restore": gaps("snapshot_restore"),
             "floor_no_replay": gaps("floor_no_replay"),
             "full_recompute_other_chunks (rounding noise)": noise,
+            "allowed": allowed,
+            "rounding_alone_changed_the_greedy_token": tie,
         },
         "bounded_drift_vs_exact": {
             "first_token_past_the_hit": drift(probes["bounded_replay"], probes["exact_replay"]),
