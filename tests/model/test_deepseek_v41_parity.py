@@ -146,3 +146,48 @@ def test_a_backend_without_the_v41_ops_refuses_the_model_with_its_reasons(backen
     message = str(refused.value)
     assert "cannot run DeepSeek-V4.1" in message
     assert all(f"{op} ({reasons[op]})" in message for op in V41_OPS)
+
+
+def _greedy_llm(case: str, **kwargs) -> LLM:
+    return LLM(
+        model=str(FIXTURES / case),
+        accelerator="cpu",
+        dtype="float32",
+        block_size=BLOCK,
+        num_kv_blocks=NUM_BLOCKS,
+        progress=False,
+        **kwargs,
+    )
+
+
+@pytest.mark.parametrize("restore", ["exact_replay", "snapshot", "bounded_replay"])
+@pytest.mark.parametrize("case", CASES)
+def test_a_prefix_hit_matches_the_reference(case, restore):
+    """The longest recorded prompt and 10 of its greedy tokens, asked after an earlier request (the prompt
+    with all 16 greedy tokens) left its blocks (and, with `snapshot`, its windows at each boundary the
+    prompt and the decode crossed) in the cache: the hit covers 32 tokens; the first token's logprobs must
+    be the reference's logits row 10 (after log-softmax), and the continuation its greedy tokens. `exact_replay`
+    and `bounded_replay` recompute what the windows need (these models' exact replay is shorter than the
+    bound of 128, so bounded is exact here; bench/prefix_replay.py reports the drift where it is not);
+    `snapshot` computes only the tokens past the hit."""
+    meta, want = _case(case)
+    i = max(range(len(meta["prefill"]["prompts"])), key=lambda k: len(meta["prefill"]["prompts"][k]))
+    prompt, tokens = meta["prefill"]["prompts"][i], meta["greedy"]["tokens"][i]
+    reference = want[meta["greedy"]["logits"][i]].log_softmax(-1)  # [16, V]: row j follows prompt + tokens[:j]
+    kwargs = {"window_snapshot_gb": 0} if restore != "snapshot" else {}
+    if restore == "bounded_replay":
+        kwargs["prefix_replay"] = "bounded"
+    llm = _greedy_llm(case, **kwargs)
+    greedy = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    assert list(llm.generate([prompt], greedy)[0].outputs[0].token_ids) == tokens
+    known = prompt + tokens[:10]
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=5)
+    output = llm.generate([known], params)[0]
+    assert output.num_cached_tokens == len(known) // BLOCK * BLOCK == 32
+    assert (llm.engine.snapshots.hits if llm.engine.snapshots else 0) == (restore == "snapshot")
+    got = output.outputs[0]
+    assert list(got.token_ids) == tokens[10:]
+    for j, top in enumerate(got.top_logprobs):  # the reference's logprobs of our top 5 after each token
+        ids = torch.tensor(list(top))
+        mine = torch.tensor(list(top.values()))
+        _assert_matches(mine[None], reference[10 + j, ids][None], 1, f"{case} {restore} token {j}")
