@@ -109,6 +109,14 @@ class Engine:
             snapshots=snapshots,
         )
         self.snapshots = self.blocks.snapshots  # None: the model has no per-sequence caches, or no budget
+        if self.snapshots is not None:
+            log.info(
+                "window snapshots: %.2f MiB each, up to %.1f GiB of host memory (--window-snapshot-gb)",
+                self.snapshots.snapshot_bytes / 2**20,
+                self.snapshots.budget_bytes / 2**30,
+            )
+        elif snapshots.units and config.enable_prefix_caching:
+            log.info("window snapshots off: a prefix hit replays %d tokens", self.blocks.replay_tokens)
         self.runner.snapshot_boundaries = self.snapshots is not None
         self.scheduler = Scheduler(config.scheduler, self.blocks, backend.cost_model)
         self.observers = list(observers)

@@ -4,9 +4,10 @@ buckets (vllm/v1/metrics/loggers.py) so that dashboards made for vLLM work uncha
 Every vLLM series carries the labels `model_name` (the served model name) and `engine` ("0": one engine
 per server). Request metrics are recorded by the async engine, which sees every request of every route
 (`request_output`, `request_finished`); gauges are read from the engine when /metrics is scraped
-(`observe_engine`). Two families of ours stay because they add something: `deepinfer_requests_total`
-by endpoint and HTTP status (refusals included, which never reach the engine), and the KV-cache block
-counts behind `vllm:kv_cache_usage_perc`.
+(`observe_engine`). Families of ours stay where they add something: `deepinfer_requests_total` by endpoint
+and HTTP status (refusals included, which never reach the engine), the KV-cache block counts behind
+`vllm:kv_cache_usage_perc`, and the window snapshots of DeepSeek-V4/V4.1 (engine/snapshots.py), which vLLM
+does not have: prefix hits that restored one, and the snapshots and host bytes held.
 """
 
 from __future__ import annotations
@@ -53,6 +54,14 @@ class ServerMetrics:
         )
         self.kv_used = Gauge("deepinfer_kv_blocks_used", "KV-cache blocks in use", registry=r)
         self.kv_total = Gauge("deepinfer_kv_blocks_total", "KV-cache blocks in all", registry=r)
+        self.snapshot_hits = Counter(
+            "deepinfer_window_snapshot_hits", "Prefix-cache hits that restored a window snapshot", registry=r
+        )
+        self.snapshots = Gauge("deepinfer_window_snapshots", "Window snapshots held in host memory", registry=r)
+        self.snapshot_bytes = Gauge(
+            "deepinfer_window_snapshot_bytes", "Host memory the window snapshots take, in bytes", registry=r
+        )
+        self._snapshot_hits_seen = 0
         self.model_name: str | None = None
         self._prefix_seen = (0, 0)  # the engine's cumulative prefix-cache (queries, hits) at the last scrape
         if model_name is not None and max_model_len is not None:
@@ -166,6 +175,11 @@ class ServerMetrics:
         blocks = engine.blocks
         self.kv_used.set(blocks.num_used_blocks)
         self.kv_total.set(blocks.num_blocks)
+        if (snapshots := blocks.snapshots) is not None:
+            self.snapshot_hits.inc(max(0, snapshots.hits - self._snapshot_hits_seen))
+            self._snapshot_hits_seen = snapshots.hits
+            self.snapshots.set(snapshots.num_snapshots)
+            self.snapshot_bytes.set(snapshots.nbytes)
         if self.model_name is None:
             return
         self.running.set(len(engine.scheduler.running))

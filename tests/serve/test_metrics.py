@@ -151,6 +151,22 @@ def test_prefix_cache_counters_move(server, openai_client):
     assert 0 < hits == r.usage.prompt_tokens_details.cached_tokens
 
 
+def test_a_prefix_hit_restores_a_window_snapshot(server, openai_client):
+    """The demo model is a DeepSeek-V4: the first request leaves its windows at its prompt's last block
+    boundary, the second (a different ending) restores them there instead of replaying."""
+    prompt = "Another prompt, long enough to fill whole blocks of the cache. " * 30
+    server.wait_idle()
+    before = server.metrics()
+    for ending in (" First ending.", " Second ending."):
+        r = openai_client.completions.create(model=MODEL, prompt=prompt + ending, max_tokens=1, temperature=0)
+    after = server.metrics()
+    assert r.usage.prompt_tokens_details.cached_tokens > 0
+    hits = "deepinfer_window_snapshot_hits_total"  # ours: no model/engine labels
+    assert after[hits] - before.get(hits, 0.0) == 1
+    assert after["deepinfer_window_snapshots"] >= 1
+    assert after["deepinfer_window_snapshot_bytes"] >= after["deepinfer_window_snapshots"] > 0
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_each_finished_request_is_logged(server, openai_client, stream):
     kwargs = dict(model=MODEL, prompt="Once upon a time", max_tokens=2, seed=4, extra_body={"ignore_eos": True})
