@@ -34,7 +34,15 @@ V4_OPS = (
 )
 # The ops DeepSeek-V4.1 adds (it also calls some of V4_OPS, sparse_attention among them); a backend without
 # them lists them in `unsupported`.
-V41_OPS = ("hc_mixes", "hc_collapse", "hc_expand", "round_to_format", "engram_gate", "indexer_select")
+V41_OPS = (
+    "hc_mixes",
+    "hc_collapse",
+    "hc_expand",
+    "round_to_format",
+    "engram_gate",
+    "indexer_select",
+    "expert_row_scales",  # op feature of expert_ffn: the routing weight applied before w2
+)
 # The block formats `round_to_format` rounds to: "<element format>/<scale format>:<block length>".
 BLOCK_FORMATS = ("fp8_e4m3/pow2:32", "fp4_e2m1/pow2:32", "fp4_e2m1/e4m3:16")
 

@@ -247,10 +247,16 @@ class Ops(Protocol):
         w2: torch.Tensor,
         *,
         swiglu_limit: float | None = None,
+        row_scales: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Grouped expert MLP. x [N, D] rows sorted by expert, tokens_per_expert [E] (sums to N),
         w13 [E, 2I, D] (gate rows then up rows), w2 [E, D, I] -> [N, D] = w2_e(silu(gate) * up), the
-        activation clamped as `silu_and_mul(limit=swiglu_limit)` does."""
+        activation clamped as `silu_and_mul(limit=swiglu_limit)` does.
+
+        row_scales [N] float32 (op feature "expert_row_scales"): each row's activation is computed in float32
+        from the x.dtype projections (the clamp against swiglu_limit itself, in float32; nothing rounded in
+        between), as (silu(gate) * up) * scale, and only then rounded to x.dtype for w2 — where DeepSeek-V4.1
+        applies the routing weight (its combine then sums with weight 1). A row of scale 0 gives zeros."""
         ...
 
 

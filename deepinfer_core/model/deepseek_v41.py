@@ -168,9 +168,11 @@ class DeepseekV41Model:
             return w[f"{prefix}.w1.weight"], w[f"{prefix}.w3.weight"], w[f"{prefix}.w2.weight"]  # gate, up, down
 
         experts = [mlp(f"{p}.experts.{e}") for e in range(cfg.n_routed_experts)]
-        shared = DenseMLP(backend, *mlp(f"{p}.shared_experts"), limit)
+        shared = DenseMLP(backend, *mlp(f"{p}.shared_experts"), limit, float_activation=True)  # as the reference
         gate = w[f"{p}.gate.weight"].float() / cfg.gate_temp  # logits at the router's temperature
-        return MoE(backend, cfg.routing, gate, w[f"{p}.gate.bias"], experts, shared, limit=limit)
+        return MoE(
+            backend, cfg.routing, gate, w[f"{p}.gate.bias"], experts, shared, limit=limit, weight_before_down=True
+        )
 
     @property
     def num_layers(self) -> int:

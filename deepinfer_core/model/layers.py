@@ -19,12 +19,20 @@ Weights = dict[str, torch.Tensor]
 
 
 class DenseMLP:
-    """down(silu(gate(x)) * up(x)), with gate and up fused into one GEMM; `limit` is V4's swiglu_limit."""
+    """down(silu(gate(x)) * up(x)), with gate and up fused into one GEMM; `limit` is V4's swiglu_limit.
+    `float_activation` (V4.1) computes the activation in float32 from the projections and rounds it once."""
 
     def __init__(
-        self, backend: ResolvedBackend, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor, limit: float | None
+        self,
+        backend: ResolvedBackend,
+        gate: torch.Tensor,
+        up: torch.Tensor,
+        down: torch.Tensor,
+        limit: float | None,
+        *,
+        float_activation: bool = False,
     ) -> None:
-        self.ops, self.limit = backend.ops, limit
+        self.ops, self.limit, self.float_activation = backend.ops, limit, float_activation
         self.w13 = BlockFP8.concat_rows([gate, up], backend.dtype)  # [2I, D]
         self.w2 = down  # [D, I]
 
@@ -34,8 +42,11 @@ class DenseMLP:
         return cls(backend, *(w[f"{prefix}.{n}_proj.weight"] for n in ("gate", "up", "down")), None)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        activated = self.ops.silu_and_mul(self.ops.linear(x, self.w13), **_limit(self.limit, "limit"))
-        return self.ops.linear(activated, self.w2)
+        gate_up = self.ops.linear(x, self.w13)
+        if self.float_activation:
+            gate_up = gate_up.float()
+        activated = self.ops.silu_and_mul(gate_up, **_limit(self.limit, "limit"))
+        return self.ops.linear(activated.to(x.dtype), self.w2)
 
 
 def _limit(limit: float | None, keyword: str) -> dict[str, float]:
@@ -47,7 +58,9 @@ class MoE:
     """Routed experts plus always-on shared experts.
 
     `experts` holds (gate, up, down) of every expert; this rank keeps those its communicator assigns it.
-    Hash routing (V4) takes the experts from `hash_table` [vocab, top_k] by token id.
+    Hash routing (V4) takes the experts from `hash_table` [vocab, top_k] by token id. `weight_before_down`
+    (V4.1) applies the routing weight to the activation, before w2 (expert_ffn's row_scales), instead of to
+    the expert's output.
     """
 
     def __init__(
@@ -61,8 +74,10 @@ class MoE:
         *,
         limit: float | None = None,
         hash_table: torch.Tensor | None = None,
+        weight_before_down: bool = False,
     ) -> None:
         self.ops, self.comm, self.routing, self.limit = backend.ops, backend.communicator, routing, limit
+        self.weight_before_down = weight_before_down
         self.gate, self.bias, self.shared, self.hash_table = gate, bias, shared, hash_table  # gate [E, D] float32
         per_rank = routing.num_experts // self.comm.world_size
         local = experts[self.comm.rank * per_rank : (self.comm.rank + 1) * per_rank]
@@ -90,10 +105,14 @@ class MoE:
         else:
             table = self.hash_table[token_ids]
             weights, ids = self.ops.moe_route(router_logits, self.routing, self.bias, expert_ids=table)
-        dispatched = self.comm.dispatch(x, ids, self.routing.num_experts)
-        expert_out = self.ops.expert_ffn(
-            dispatched.hidden, dispatched.tokens_per_expert, self.w13, self.w2, **_limit(self.limit, "swiglu_limit")
-        )
+        kwargs = _limit(self.limit, "swiglu_limit")
+        if self.weight_before_down:
+            dispatched = self.comm.dispatch(x, ids, self.routing.num_experts, weights)
+            kwargs["row_scales"] = dispatched.row_weights
+            weights = torch.ones_like(weights)  # applied already: combine only sums
+        else:
+            dispatched = self.comm.dispatch(x, ids, self.routing.num_experts)
+        expert_out = self.ops.expert_ffn(dispatched.hidden, dispatched.tokens_per_expert, self.w13, self.w2, **kwargs)
         out = self.comm.combine(expert_out, dispatched, weights)  # [T, D]
         return out if self.shared is None else out + self.shared(x)
 

@@ -8,7 +8,9 @@ live here: `InProcessCommunicator` (world size 1, no transport) and `AllToAllCom
 transport through the communicator hook; the semantics stay the ones below.
 
 Combine sums a token's top_k contributions in routing order (k = 0, 1, ...) in float32, so the result
-does not depend on the world size.
+does not depend on the world size. Given `topk_weights`, dispatch also brings each row its routing weight
+(`Dispatched.row_weights`), for models that apply it inside the expert (DeepSeek-V4.1: `expert_ffn`'s
+`row_scales`); their combine then takes weights of 1.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ class Dispatched:
     hidden: torch.Tensor  # [N, D] rows sorted by local expert
     tokens_per_expert: torch.Tensor  # [E_local] int64, sums to N
     handle: Any  # communicator-private state for combine
+    row_weights: torch.Tensor | None = None  # [N] float32: each row's routing weight, when dispatch was given them
 
 
 @runtime_checkable
@@ -35,8 +38,11 @@ class ExpertCommunicator(Protocol):
     rank: int
     world_size: int
 
-    def dispatch(self, hidden: torch.Tensor, topk_ids: torch.Tensor, num_experts: int) -> Dispatched:
-        """hidden [T, D] and topk_ids [T, K] (global expert ids) -> this rank's expert rows."""
+    def dispatch(
+        self, hidden: torch.Tensor, topk_ids: torch.Tensor, num_experts: int, topk_weights: torch.Tensor | None = None
+    ) -> Dispatched:
+        """hidden [T, D] and topk_ids [T, K] (global expert ids) -> this rank's expert rows; with
+        topk_weights [T, K], each row's weight (float32) in `row_weights`."""
         ...
 
     def combine(self, expert_out: torch.Tensor, dispatched: Dispatched, topk_weights: torch.Tensor) -> torch.Tensor:
@@ -57,13 +63,16 @@ class InProcessCommunicator:
     rank = 0
     world_size = 1
 
-    def dispatch(self, hidden: torch.Tensor, topk_ids: torch.Tensor, num_experts: int) -> Dispatched:
+    def dispatch(
+        self, hidden: torch.Tensor, topk_ids: torch.Tensor, num_experts: int, topk_weights: torch.Tensor | None = None
+    ) -> Dispatched:
         flat_ids = topk_ids.reshape(-1)  # [T*K]
         order = torch.argsort(flat_ids, stable=True)  # pair indices grouped by expert
         rows = hidden[order // topk_ids.shape[1]]  # [T*K, D]
         counts = torch.zeros(num_experts, dtype=torch.int64, device=flat_ids.device)
         counts.scatter_add_(0, flat_ids, torch.ones_like(flat_ids))  # not bincount: it reads its max on the host
-        return Dispatched(rows, counts, order)
+        weights = None if topk_weights is None else topk_weights.reshape(-1).float()[order]
+        return Dispatched(rows, counts, order, weights)
 
     def combine(self, expert_out: torch.Tensor, dispatched: Dispatched, topk_weights: torch.Tensor) -> torch.Tensor:
         pair_rows = torch.empty_like(expert_out)
@@ -97,7 +106,9 @@ class AllToAllCommunicator:
         self._dist.all_to_all_single(out, tensor.contiguous(), recv_counts, send_counts, group=self._group)
         return out
 
-    def dispatch(self, hidden: torch.Tensor, topk_ids: torch.Tensor, num_experts: int) -> Dispatched:
+    def dispatch(
+        self, hidden: torch.Tensor, topk_ids: torch.Tensor, num_experts: int, topk_weights: torch.Tensor | None = None
+    ) -> Dispatched:
         if num_experts % self.world_size:
             raise ValueError(f"{num_experts} experts cannot be split evenly over {self.world_size} ranks")
         local_experts = num_experts // self.world_size
@@ -113,7 +124,10 @@ class AllToAllCommunicator:
         recv_order = torch.argsort(local_ids, stable=True)
         tokens_per_expert = torch.bincount(local_ids, minlength=local_experts)
         handle = _AllToAllHandle(send_order, send_list, recv_list, recv_order)
-        return Dispatched(rows[recv_order], tokens_per_expert, handle)
+        weights = None
+        if topk_weights is not None:  # travel with their rows
+            weights = self._exchange(topk_weights.reshape(-1).float()[send_order], send_list, recv_list)[recv_order]
+        return Dispatched(rows[recv_order], tokens_per_expert, handle, weights)
 
     def combine(self, expert_out: torch.Tensor, dispatched: Dispatched, topk_weights: torch.Tensor) -> torch.Tensor:
         handle: _AllToAllHandle = dispatched.handle

@@ -118,6 +118,7 @@ class ReferenceOps:
         w2: torch.Tensor,
         *,
         swiglu_limit: float | None = None,
+        row_scales: torch.Tensor | None = None,
     ) -> torch.Tensor:
         if isinstance(w13, BlockFP8):
             w13 = w13.dequantize(x.dtype)
@@ -128,7 +129,12 @@ class ReferenceOps:
         for expert, count in enumerate(tokens_per_expert.tolist()):
             if count:
                 rows = x[start : start + count]  # [n, D]
-                hidden = self.silu_and_mul(F.linear(rows, w13[expert]), limit=swiglu_limit)  # [n, I]
+                gate_up = F.linear(rows, w13[expert])  # [n, 2I]
+                if row_scales is None:
+                    hidden = self.silu_and_mul(gate_up, limit=swiglu_limit)  # [n, I]
+                else:  # scaled in float32, rounded once
+                    scales = row_scales[start : start + count, None].float()
+                    hidden = (self.silu_and_mul(gate_up.float(), limit=swiglu_limit) * scales).to(x.dtype)
                 out[start : start + count] = F.linear(hidden, w2[expert])
             start += count
         return out

@@ -176,11 +176,18 @@ def _worker_main(argv: list[str]) -> None:
                 linear = comm.combine(
                     _linear_expert(d.hidden, ids, scenario["weight"], scenario["bias"]), d, inp["topk_weights"]
                 )
+                # the weights travel with their rows: applied before combine, which then sums with weight 1
+                weighted = comm.dispatch(inp["hidden"], inp["topk_ids"], num_experts, inp["topk_weights"])
+                scaled = _elementwise_expert(weighted.hidden, ids).float() * weighted.row_weights[:, None]
+                ones = torch.ones_like(inp["topk_weights"])
                 results[name] = {
                     "rows": d.hidden,
                     "tokens_per_expert": d.tokens_per_expert,
                     "elementwise": elementwise,
                     "linear": linear,
+                    "same_rows_with_weights": torch.equal(weighted.hidden, d.hidden),
+                    "row_weights": weighted.row_weights,
+                    "weighted_before": comm.combine(scaled.to(d.hidden.dtype), weighted, ones),
                 }
             except Exception:  # noqa: BLE001 - reported per scenario; later collectives would not line up
                 results[name] = {"error": traceback.format_exc()}
@@ -401,6 +408,22 @@ def test_in_process_combine_is_float32_sum_in_low_precision():
     assert torch.equal(out, expected.to(torch.bfloat16))
 
 
+@pytest.mark.parametrize(("tokens", "num_experts", "top_k", "unused"), _IN_PROCESS_CASES)
+def test_in_process_dispatch_gives_each_row_its_routing_weight(tokens, num_experts, top_k, unused):
+    hidden, topk_ids, topk_weights = _in_process_inputs(5, tokens, num_experts, top_k, unused)
+    comm = InProcessCommunicator()
+    d = comm.dispatch(hidden, topk_ids, num_experts, topk_weights)
+    assert comm.dispatch(hidden, topk_ids, num_experts).row_weights is None
+    assert d.row_weights.dtype == torch.float32 and d.row_weights.shape == (tokens * top_k,)
+    ids = _row_expert_ids(d.tokens_per_expert, 0)
+    for row, expert in enumerate(ids.tolist()):  # the row's token (by its tag) routed to this expert with it
+        token = int(d.hidden[row, 0])
+        (k,) = (topk_ids[token] == expert).nonzero()[0].tolist()
+        assert d.row_weights[row] == topk_weights[token, k]
+    scaled = comm.combine(d.hidden * d.row_weights[:, None], d, torch.ones_like(topk_weights))
+    torch.testing.assert_close(scaled, comm.combine(d.hidden, d, topk_weights))
+
+
 def test_in_process_handles_zero_tokens():
     hidden = torch.zeros(0, 6)
     topk_ids = torch.zeros(0, 2, dtype=torch.int64)
@@ -491,3 +514,16 @@ def test_all_to_all_combine_linear_experts_matches_in_process(world, name):
         expected = _in_process_reference(inp, scenario["num_experts"], linear)
         assert res["linear"].shape == inp["hidden"].shape
         torch.testing.assert_close(res["linear"], expected, rtol=1.3e-6, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", _SCENARIO_NAMES)
+def test_all_to_all_row_weights_travel_with_their_rows(world, name):
+    """Weights applied to the rows before combine (DeepSeek-V4.1's order) give the weighted combine: each
+    row got its own token's weight for that expert, on every rank, whatever the world size."""
+    _, scenario, results = _scenario_results(world, name)
+    for rank, res in enumerate(results):
+        assert res["same_rows_with_weights"], f"rank {rank}: dispatching the weights changed the rows"
+        assert res["row_weights"].dtype == torch.float32 and res["row_weights"].shape == (res["rows"].shape[0],)
+        low = res["rows"].dtype == torch.bfloat16  # the scaled rows are rounded to bf16 before combine
+        tolerance = {"atol": 2e-2, "rtol": 2e-2} if low else {}
+        torch.testing.assert_close(res["weighted_before"], res["elementwise"], **tolerance)

@@ -70,12 +70,17 @@ def test_v41_rows_do_not_depend_on_the_batch(rw):
     hc = dict(sinkhorn_iters=3, eps=1e-6, norm_eps=1e-20)
     pre, post, comb = ops.hc_mixes(streams, fn, scale, base, **hc)
     weight, dead = 0.5 + randn(3, 32, seed=5).abs(), torch.arange(37) % 5 == 0
+    w13, w2 = randn(1, 48, 32, seed=6, dtype=torch.bfloat16), randn(1, 32, 24, seed=7, dtype=torch.bfloat16)
+    routing_weights = randn(37, seed=8).abs()  # expert_ffn's row_scales
     batched = {
         "hc_mixes": lambda s: torch.cat([t.flatten(1) for t in ops.hc_mixes(streams[s], fn, scale, base, **hc)], 1),
         "hc_collapse": lambda s: ops.hc_collapse(streams[s], pre[s]),
         "hc_expand": lambda s: ops.hc_expand(block_out[s], streams[s], post[s], comb[s]),
         "engram_gate": lambda s: ops.engram_gate(streams[s], key[s], block_out[s], weight, dead[s], eps=1e-20),
         **{fmt: (lambda s, fmt=fmt: ops.round_to_format(streams[s], fmt)) for fmt in BLOCK_FORMATS},
+        "expert_row_scales": lambda s: ops.expert_ffn(
+            block_out[s], torch.tensor([block_out[s].shape[0]]), w13, w2, row_scales=routing_weights[s]
+        ),
     }
     for name, op in batched.items():
         full = op(slice(None))

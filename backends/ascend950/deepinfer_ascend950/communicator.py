@@ -51,7 +51,14 @@ class McDistributeCommunicator:
         self.npu, self.group_name = npu, group_name
         self.world_size, self.rank = world_size, rank
 
-    def dispatch(self, hidden: torch.Tensor, topk_ids: torch.Tensor, num_experts: int) -> Dispatched:
+    def dispatch(
+        self, hidden: torch.Tensor, topk_ids: torch.Tensor, num_experts: int, topk_weights: torch.Tensor | None = None
+    ) -> Dispatched:
+        if topk_weights is not None:  # only DeepSeek-V4.1 asks, and this backend refuses V4.1 (expert_row_scales)
+            raise NotImplementedError(
+                "ascend950's MC2 dispatch does not carry routing weights to the experts (expert_row_scales): "
+                "run DeepSeek-V4.1 on a backend that has them"
+            )
         if num_experts % self.world_size:
             raise ValueError(f"{num_experts} experts cannot be split evenly over {self.world_size} ranks")
         local_experts = num_experts // self.world_size

@@ -95,10 +95,23 @@ class AscendOps:
         return weights * config.routed_scaling_factor, ids
 
     def expert_ffn(
-        self, x: torch.Tensor, tokens_per_expert: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor
+        self,
+        x: torch.Tensor,
+        tokens_per_expert: torch.Tensor,
+        w13: torch.Tensor,
+        w2: torch.Tensor,
+        *,
+        row_scales: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Two npu_grouped_matmul calls (one launch for all experts each) around npu_swiglu. The weights are
-        [E, N, K]; the op multiplies x [rows, K] by [E, K, N], so it gets transposed views."""
+        [E, N, K]; the op multiplies x [rows, K] by [E, K, N], so it gets transposed views. row_scales
+        (DeepSeek-V4.1's "expert_row_scales") is declared unsupported and refused."""
+        if row_scales is not None:
+            raise NotImplementedError(
+                "ascend950's expert_ffn does not take row_scales (op feature 'expert_row_scales', declared "
+                "unsupported in its capabilities): apply the routing weights in the combine, or run DeepSeek-V4.1 "
+                "on a backend that supports expert_row_scales (e.g. cpu)"
+            )
         if x.shape[0] == 0:
             return torch.empty_like(x)
         # group_list_type 0: the running sum of the counts (type 1, plain counts, may not have length 1)

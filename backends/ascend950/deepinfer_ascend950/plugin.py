@@ -32,6 +32,15 @@ DEEPINFER_API_VERSION = API_VERSION
 
 _V4_NOT_YET = "not mapped to torch_npu ops yet: DeepSeek-V4 runs on the cpu reference backend for now"
 _V41_NOT_YET = "DeepSeek-V4.1 op not implemented yet: DeepSeek-V4.1 runs on the cpu reference backend for now"
+# V41_OPS whose reason says more than _V41_NOT_YET
+_V41_REASONS = {
+    "expert_row_scales": (
+        "expert_ffn's routing weight before w2 is not implemented: npu_swiglu returns the activation already "
+        "rounded to the compute dtype, while the weight must scale it in float32 before that rounding, and a "
+        "replacement between the two npu_grouped_matmul calls cannot be run or checked without Ascend hardware; "
+        "DeepSeek-V4.1 runs on the cpu reference backend for now"
+    ),
+}
 
 
 @hookimpl
@@ -62,7 +71,7 @@ def deepinfer_backend_capabilities():
             ("sliding_window", "the V4 sliding-window ring cache is not implemented on this backend yet"),
             ("sequence_state", "per-sequence state caches are not implemented on this backend yet"),
             *((op, _V4_NOT_YET) for op in V4_OPS),
-            *((op, _V41_NOT_YET) for op in V41_OPS),
+            *((op, _V41_REASONS.get(op, _V41_NOT_YET)) for op in V41_OPS),
         ),
     )
 

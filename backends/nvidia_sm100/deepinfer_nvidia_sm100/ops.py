@@ -8,7 +8,8 @@ kernel); hc_pre (after torch's rms and mixing GEMM: the weights, Sinkhorn and th
 hc_post and softmax_pool are kernels (kernels.hyper). V4's attention ops, sparse_attention and
 indexer_topk, are for now the reference backend's PyTorch code run on the GPU tensors: a correctness-first
 path, not kernels (a loop over the sequences with host reads of the metadata, results that may depend on
-the batch). DeepSeek-V4.1's ops (V41_OPS) are the reference's PyTorch code on the GPU too, for now.
+the batch). DeepSeek-V4.1's ops (V41_OPS) are the reference's PyTorch code on the GPU too, for now, but for
+the op feature expert_row_scales (`expert_ffn(row_scales=)`), fused into the grouped expert GEMM's epilogue.
 
 Imported only after the backend is selected (it imports triton).
 """
@@ -82,10 +83,13 @@ class NvidiaOps:
         w2: Weight,
         *,
         swiglu_limit: float | None = None,
+        row_scales: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """The grouped Triton GEMMs; row_scales (V4.1's routing weights) applied in the activation epilogue."""
         return moe.expert_ffn(
-            x, tokens_per_expert, w13, w2, fixed_tiles=self.batch_invariant, swiglu_limit=swiglu_limit
-        )
+            x, tokens_per_expert, w13, w2,
+            fixed_tiles=self.batch_invariant, swiglu_limit=swiglu_limit, row_scales=row_scales,
+        )  # fmt: skip
 
     # DeepSeek-V4's hyper-connections and the compressors' pooling
 

@@ -52,7 +52,8 @@ def deepinfer_backend_capabilities():
         communicators=("in_process",),
         weight_formats=("fp8_block",),  # DeepSeek's FP8 weights stay FP8 in memory (half the bytes to read)
         # V4_OPS are all supported: Triton kernels but for sparse_attention and indexer_topk, which run as
-        # PyTorch reference code for now, as do V41_OPS (ops.NvidiaOps, ops.NvidiaAttention)
+        # PyTorch reference code for now, as do V41_OPS (ops.NvidiaOps, ops.NvidiaAttention) but for
+        # expert_row_scales, fused into the grouped expert GEMM (kernels.moe)
         unsupported=(("v4_batch_invariance", _V4_BATCH_INVARIANCE),),
     )
 

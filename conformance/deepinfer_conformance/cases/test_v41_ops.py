@@ -11,8 +11,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from deepinfer_conformance.cases.test_ops import fp8_weight, require_fp8_weights
 from deepinfer_conformance.cases.test_v4_ops import DTYPES, HIDDEN, SINKHORN_ITERS, TOKENS, mixer, randn, run
 from deepinfer_conformance.cases.test_v4_ops import streams_view as streams_of
+from deepinfer_conformance.harness import tolerance
 from deepinfer_core.backend.ops import BLOCK_FORMATS
 
 
@@ -116,3 +118,86 @@ def test_engram_gate(suite, check, tokens, dtype, n):
     magnitude = float(streams.float().abs().max()) + float(value.float().abs().max())
     expected = run(ref, "engram_gate", *args, eps=1e-20)
     check.close(actual, expected, dtype, reduce_dim=HIDDEN, magnitude=magnitude, what="streams after the engram")
+
+
+# expert_ffn with row_scales (op feature "expert_row_scales"): V4.1 applies each routed expert's weight to the
+# activation before w2, in float32 before its one rounding to the compute dtype
+
+EXPERT_COUNTS = {"ragged": [3, 0, 5, 1], "one_row": [0, 0, 0, 1], "long": [64, 1, 0, 70], "idle_first": [0, 17, 2]}
+ROW_SCALES_LIMIT = 1.5  # V4's swiglu_limit, low enough to clamp some of the gate / up values below
+
+
+def row_scales(rows: int, seed: int) -> torch.Tensor:
+    """[rows] float32 like routing weights (positive, below routed_scaling_factor), far from 1 for most rows."""
+    return 0.05 + 2.0 * torch.rand(rows, generator=torch.Generator().manual_seed(seed))
+
+
+def expert_args(counts: list[int], dtype: torch.dtype, seed: int, hidden: int = 64, inner: int = 48):
+    """(x [N, D], tokens_per_expert [E], w13 [E, 2I, D], w2 [E, D, I]); gate / up of std ~2.4."""
+    experts = len(counts)
+    x = randn(sum(counts), hidden, seed=seed, dtype=dtype)
+    w13 = randn(experts, 2 * inner, hidden, seed=seed + 1, dtype=dtype, scale=0.3)
+    w2 = randn(experts, hidden, inner, seed=seed + 2, dtype=dtype, scale=0.2)
+    return x, torch.tensor(counts), w13, w2
+
+
+@pytest.mark.parametrize("limit", [None, ROW_SCALES_LIMIT], ids=["no_limit", "swiglu_limit"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("counts", EXPERT_COUNTS.values(), ids=EXPERT_COUNTS.keys())
+def test_expert_ffn_row_scales(suite, check, counts, dtype, limit):
+    suite.require("expert_ffn")
+    suite.require("expert_row_scales")
+    if limit is not None:
+        suite.require("swiglu_limit")
+    ours, ref = suite.pair(dtype)
+    args = expert_args(counts, dtype, seed=90)
+    scales = row_scales(sum(counts), seed=93)
+    expected = run(ref, "expert_ffn", *args, swiglu_limit=limit, row_scales=scales)
+    assert not torch.equal(expected, run(ref, "expert_ffn", *args, swiglu_limit=limit)), "the scales must act"
+    actual = run(ours, "expert_ffn", *args, swiglu_limit=limit, row_scales=scales)
+    assert actual.shape == expected.shape and actual.dtype == dtype, f"{actual.shape}/{actual.dtype}"
+    # the scaled activation is rounded to dtype before the down projection: an ulp of the output's scale
+    check.close(actual, expected, dtype, reduce_dim=64, magnitude=float(expected.float().abs().max()))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_expert_ffn_row_scales_are_applied_per_row(suite, check, dtype):
+    """The scales really act, each on its own row: the result is far (beyond the tolerance) from the unscaled
+    one and from the one with the scales given in another row order, and a row of scale 0 gives exact zeros."""
+    suite.require("expert_ffn")
+    suite.require("expert_row_scales")
+    ours, ref = suite.pair(dtype)
+    counts = [5, 0, 9, 3]
+    args = expert_args(counts, dtype, seed=94)
+    scales = row_scales(sum(counts), seed=97)
+    zeroed = torch.tensor([0, 6, 16])  # the first row of experts 0, 2 and 3
+    scales[zeroed] = 0.0
+    actual = run(ours, "expert_ffn", *args, row_scales=scales)
+    magnitude = float(actual.float().abs().max())
+    rtol, atol = tolerance(dtype, 64)
+    atol = max(atol, torch.finfo(dtype).eps * magnitude)  # as check.close allows
+    for what, other in (("unscaled", None), ("scales in reverse row order", scales.flip(0))):
+        assert not torch.allclose(
+            actual.float(), run(ours, "expert_ffn", *args, row_scales=other).float(), rtol=rtol, atol=atol
+        ), f"expert_ffn with row_scales is within the tolerance of the result with {what}: were they applied?"
+    check.equal(actual[zeroed], torch.zeros(len(zeroed), actual.shape[1], dtype=dtype), what="rows of scale 0")
+    expected = run(ref, "expert_ffn", *args, row_scales=scales)
+    check.close(actual, expected, dtype, reduce_dim=64, magnitude=float(expected.float().abs().max()))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_expert_ffn_row_scales_fp8_weights(suite, check, dtype):
+    suite.require("expert_ffn")
+    suite.require("expert_row_scales")
+    require_fp8_weights(suite)
+    ours, ref = suite.pair(dtype)
+    counts = [3, 0, 40, 1]
+    x = randn(sum(counts), 256, seed=98, dtype=dtype)
+    w13, w2 = fp8_weight(4, 256, 256, seed=99), fp8_weight(4, 256, 128, seed=100)
+    scales = row_scales(sum(counts), seed=101)
+    device = ours.torch_device
+    actual = ours.ops.expert_ffn(
+        x.to(device), torch.tensor(counts).to(device), w13.to(device), w2.to(device), row_scales=scales.to(device)
+    ).cpu()
+    expected = run(ref, "expert_ffn", x, torch.tensor(counts), w13, w2, row_scales=scales)
+    check.close(actual, expected, dtype, reduce_dim=256, magnitude=float(expected.float().abs().max()))

@@ -7,7 +7,8 @@ sequence of floating-point operations for any number of rows T. Matrix products 
 products (torch.mv / a bmm of fixed shape per row); reductions run over one row. Each op computes in
 float32 and rounds to the input dtype where the reference does: once at the end, except silu_and_mul
 (silu(gate) is rounded before the product) and expert_ffn (rounded between its linear / silu_and_mul /
-linear steps). moe_route returns float32 weights, as the contract says.
+linear steps; with DeepSeek-V4.1's row scales the activation stays float32 until it is scaled, then is rounded
+once). moe_route returns float32 weights, as the contract says.
 
 DeepSeek-V4's dense ops are here too: the swiglu limit of silu_and_mul / expert_ffn, sqrtsoftplus scoring
 and hash routing in moe_route, and the hyper-connection and compressor ops hc_pre, hc_post and
@@ -51,6 +52,17 @@ def _silu_and_mul_row(row: torch.Tensor, limit: float | None = None) -> torch.Te
         up = torch.clamp(up, min=-limit, max=limit).to(row.dtype).float()
     silu = (gate * torch.sigmoid(gate)).to(row.dtype).float()
     return (silu * up).to(row.dtype)
+
+
+def _scaled_activation_row(row: torch.Tensor, scale: torch.Tensor, limit: float | None = None) -> torch.Tensor:
+    """row [2I] = [gate | up] (already rounded to row.dtype) -> scale * silu(gate) * up [I] in row.dtype, with
+    one rounding at the end: DeepSeek-V4.1's routing weight `scale` (a float32 scalar) applied before w2. Unlike
+    _silu_and_mul_row, nothing is rounded on the way: the clamp (V4's limit) and silu stay float32."""
+    r = fresh_row(row)
+    gate, up = r[: r.shape[0] // 2], r[r.shape[0] // 2 :]
+    if limit is not None:
+        gate, up = torch.clamp(gate, max=limit), torch.clamp(up, min=-limit, max=limit)
+    return (gate * torch.sigmoid(gate) * up * scale).to(row.dtype)
 
 
 def _scores(logit: torch.Tensor, scoring: str) -> torch.Tensor:
@@ -208,9 +220,16 @@ class RowwiseOps:
         w2: torch.Tensor,
         *,
         swiglu_limit: float | None = None,
+        row_scales: torch.Tensor | None = None,
     ) -> torch.Tensor:
         # Row t of expert e is exactly linear(silu_and_mul(linear(x_t, w13[e]), limit), w2[e]) of this table: the
-        # [2I] and [I] intermediates are rounded to x.dtype between the steps, as separate ops would.
+        # [2I] and [I] intermediates are rounded to x.dtype between the steps, as separate ops would. With
+        # row_scales [N] (V4.1) the [I] activation is row_scales[t] * silu(gate) * up, rounded once.
+        if row_scales is not None and tuple(row_scales.shape) != (x.shape[0],):
+            raise ValueError(
+                f"row_scales has shape {tuple(row_scales.shape)}; expected one scale per row of x, ({x.shape[0]},)"
+            )
+        scales = None if row_scales is None else row_scales.float()  # [N]
         out = torch.empty_like(x)  # [N, D]
         start = 0
         for expert, count in enumerate(tokens_per_expert.tolist()):
@@ -218,7 +237,11 @@ class RowwiseOps:
                 w_in = w13[expert].float().contiguous()  # [2I, D]
                 w_out = w2[expert].float().contiguous()  # [D, I]
                 for t in range(start, start + count):
-                    hidden = _silu_and_mul_row(_matvec(w_in, x[t], x.dtype), swiglu_limit)  # [I]
+                    gate_up = _matvec(w_in, x[t], x.dtype)  # [2I]
+                    if scales is None:
+                        hidden = _silu_and_mul_row(gate_up, swiglu_limit)  # [I]
+                    else:
+                        hidden = _scaled_activation_row(gate_up, scales[t], swiglu_limit)  # [I]
                     out[t] = _matvec(w_out, hidden, x.dtype)  # [D]
             start += count
         return out

@@ -65,18 +65,22 @@ def expert_weights(experts: int, dtype: torch.dtype, hidden: int = 40, inner: in
     return w13, w2
 
 
+@pytest.mark.parametrize("row_scaled", [False, True], ids=["unscaled", "row_scales"])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_expert_rows_bitwise_equal_when_other_experts_rows_change(dtype):
+def test_expert_rows_bitwise_equal_when_other_experts_rows_change(dtype, row_scaled):
     w13, w2 = expert_weights(5, dtype)
     mine = randn(21, 40, dtype=dtype, seed=8)  # expert 2's rows: more than one row tile
     others = randn(40, 40, dtype=dtype, seed=9)
+    scale_pool = torch.rand(61, generator=torch.Generator().manual_seed(10)) + 0.1  # V4.1's routing weights
+    my_scales, other_scales = scale_pool[:21], scale_pool[21:]
 
     def expert2_rows(before: list[int], after: list[int]) -> torch.Tensor:
         """Expert 2's output rows with `before` rows for experts 0, 1 and `after` rows for experts 3, 4."""
         lead, trail = sum(before), sum(after)
         x = torch.cat([others[:lead], mine, others[lead : lead + trail]])
+        scales = torch.cat([other_scales[:lead], my_scales, other_scales[lead : lead + trail]]) if row_scaled else None
         counts = torch.tensor([*before, len(mine), *after])
-        return moe.expert_ffn(x, counts, w13, w2)[lead : lead + len(mine)]
+        return moe.expert_ffn(x, counts, w13, w2, row_scales=scales)[lead : lead + len(mine)]
 
     alone = expert2_rows([0, 0], [0, 0])
     for before, after in [([3, 0], [5, 0]), ([17, 2], [9, 1]), ([0, 1], [0, 0]), ([0, 0], [20, 0])]:

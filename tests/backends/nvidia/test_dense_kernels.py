@@ -214,6 +214,51 @@ def test_expert_ffn_bfloat16_rounds_where_the_reference_does():
     torch.testing.assert_close(out.float(), expected, rtol=torch.finfo(torch.bfloat16).eps, atol=1e-5)
 
 
+# V4.1's routing weights applied before w2 (row_scales): the activation is scaled in float32, then rounded once
+
+
+def row_scales_for(rows: int, seed: int) -> torch.Tensor:
+    """[rows] float32 routing-weight-like scales in [0.05, 2): far enough from 1 that a missed scale shows."""
+    return 0.05 + 1.95 * torch.rand(rows, generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("limit", [None, 1.5], ids=["no_limit", "swiglu_limit"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_expert_ffn_with_row_scales(dtype, limit):
+    x, counts, w13, w2 = expert_inputs(COUNTS, dtype, seed=60)
+    w13 = w13 * 3  # gate / up of std ~3: the limit clamps about a third of them
+    scales = row_scales_for(x.shape[0], seed=61)
+    out = OPS.expert_ffn(x, counts, w13, w2, swiglu_limit=limit, row_scales=scales)
+    expected = REF.expert_ffn(x, counts, w13, w2, swiglu_limit=limit, row_scales=scales)
+    assert not torch.equal(expected, REF.expert_ffn(x, counts, w13, w2, swiglu_limit=limit)), "scales must act"
+    assert_matches(out, expected, reduced=40, roundings=3)  # gate/up, the scaled activation, product
+
+
+def test_expert_ffn_row_scales_bfloat16_round_once():
+    """With row_scales, silu(gate) * up * scale is float32 and rounded once, as the interpreter's cast rounds
+    it: nearly every bit agrees. A kernel that still rounded silu(gate), or rounded before scaling, would not."""
+    x, counts, w13, w2 = expert_inputs(COUNTS, torch.bfloat16, seed=62)
+    scales = row_scales_for(x.shape[0], seed=63)
+    out = OPS.expert_ffn(x, counts, w13, w2, row_scales=scales)
+    r, inner = _truncate_to_bfloat16, w2.shape[2]
+    expected, start = torch.empty(out.shape), 0
+    for expert, count in enumerate(COUNTS):
+        h = x[start : start + count].float() @ w13[expert].float().T  # [n, 2I]
+        gate, up = r(h[:, :inner]), r(h[:, inner:])
+        act = r(gate / (1 + torch.exp(-gate)) * up * scales[start : start + count, None])
+        expected[start : start + count] = r(act @ w2[expert].float().T)
+        start += count
+    differs = out.float() != expected
+    assert differs.float().mean() < 0.02  # float32 summation order may flip a rare last bit
+    torch.testing.assert_close(out.float(), expected, rtol=torch.finfo(torch.bfloat16).eps, atol=1e-5)
+
+
+def test_expert_ffn_refuses_row_scales_of_another_length():
+    x, counts, w13, w2 = expert_inputs([2, 3], torch.float32, seed=64)
+    with pytest.raises(ValueError, match="one scale per row"):
+        OPS.expert_ffn(x, counts, w13, w2, row_scales=torch.ones(4))
+
+
 # ----------------------------------------------------------------------------- strided 1-D inputs
 # The contract lets every input be a view, 1-D parameters (weights, bias, counts) included.
 

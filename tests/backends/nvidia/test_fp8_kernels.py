@@ -56,6 +56,16 @@ def test_expert_ffn_with_fp8_weights_is_the_dequantized_ffn(dtype, quantized):
     assert_matches(got, REF.expert_ffn(x, counts, w13, w2), reduced=256, roundings=4)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_expert_ffn_with_fp8_weights_and_row_scales(dtype):
+    counts = torch.tensor([3, 0, 21, 1])
+    x = randn(int(counts.sum()), 256, dtype=dtype, seed=11)
+    w13, w2 = fp8(4, 256, 256, seed=12), fp8(4, 256, 128, seed=13)
+    scales = 0.05 + torch.rand(int(counts.sum()), generator=torch.Generator().manual_seed(14))
+    got = NvidiaOps().expert_ffn(x, counts, w13, w2, row_scales=scales)
+    assert_matches(got, REF.expert_ffn(x, counts, w13, w2, row_scales=scales), reduced=256, roundings=4)
+
+
 def test_scale_blocks_narrower_than_a_tile_are_refused():
     weight = fp8(64, 64, seed=9, block=(16, 16))  # 16 columns per block: K tiles are 32 here
     with pytest.raises(ValueError, match="not whole"):

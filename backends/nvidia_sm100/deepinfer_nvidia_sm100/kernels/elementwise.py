@@ -1,6 +1,6 @@
 """Row-local kernels: RMSNorm, rotary embedding, SiLU-and-multiply (with DeepSeek-V4's optional swiglu
-limit). One program per row (or row tile); each output depends only on its own row, so all three are
-batch-invariant by construction."""
+limit), and the activation helpers the grouped expert GEMM's epilogue shares. One program per row (or row
+tile); each output depends only on its own row, so all three are batch-invariant by construction."""
 
 from __future__ import annotations
 
@@ -88,20 +88,36 @@ def silu_mul_rounded(gate, up, dtype: tl.constexpr, limit, HAS_LIMIT: tl.constex
     already rounded to `dtype` (`limit_in`): clamping a `dtype` value in float32 against it is then exact,
     the reference's clamp in `dtype`. NaNs stay NaN, as torch.clamp keeps them.
     """
+    g, u = _clamped(gate, up, limit, HAS_LIMIT)
+    act = (g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32)
+    return (act * u).to(dtype)
+
+
+@triton.jit
+def silu_mul_float32(gate, up, limit, HAS_LIMIT: tl.constexpr):
+    """silu(gate) * up all in float32, nothing rounded (DeepSeek-V4.1's row-scaled activation, which is
+    rounded once, after the routing weight). HAS_LIMIT: clamped in float32 against `limit` as given."""
+    g, u = _clamped(gate, up, limit, HAS_LIMIT)
+    return (g / (1.0 + tl.exp(-g))) * u
+
+
+@triton.jit
+def _clamped(gate, up, limit, HAS_LIMIT: tl.constexpr):
+    """(min(gate, limit), clamp(up, -limit, limit)) in float32 when HAS_LIMIT, else gate and up in float32."""
     g = gate.to(tl.float32)
     u = up.to(tl.float32)
     if HAS_LIMIT:
         g = tl.minimum(g, limit, propagate_nan=tl.PropagateNan.ALL)
         u = tl.maximum(u, -limit, propagate_nan=tl.PropagateNan.ALL)
         u = tl.minimum(u, limit, propagate_nan=tl.PropagateNan.ALL)
-    act = (g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32)
-    return (act * u).to(dtype)
+    return g, u
 
 
 @functools.lru_cache(maxsize=64)
 def limit_in(limit: float | None, dtype: torch.dtype) -> tuple[float, bool]:
     """(the swiglu limit rounded to `dtype`, HAS_LIMIT) as kernel arguments; (0.0, False) for no limit.
-    Rounded here on the host (a Python float, no device work): the clamped value the reference produces."""
+    Rounded here on the host (a Python float, no device work): the clamped value the reference produces.
+    Pass dtype float32 for a clamp in float32 (V4.1's row-scaled activation)."""
     if limit is None:
         return 0.0, False
     return float(torch.tensor(limit, dtype=torch.float32).to(dtype)), True

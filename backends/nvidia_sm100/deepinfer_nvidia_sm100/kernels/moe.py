@@ -4,8 +4,9 @@ The row tiles of each expert are found inside the kernel from `tokens_per_expert
 so nothing is read back to the host and the launch is capturable in a device graph: the grid has
 cdiv(rows, BM) + E row tiles, an upper bound on the tiles the experts need, and the spare ones exit.
 The first GEMM fuses the SiLU-and-multiply epilogue (gate and up columns in one program; with V4's
-swiglu_limit the clamp too, a constexpr specialisation, so no limit costs nothing); the second
-maps back to the hidden size. A row's result depends on its own row and expert only: batch-invariant.
+swiglu_limit the clamp too, a constexpr specialisation, so no limit costs nothing; with V4.1's row scales
+the routing weight too, another one); the second maps back to the hidden size. A row's result depends on
+its own row and expert only: batch-invariant.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import triton.language as tl
 
 from deepinfer_core.backend.ops import BlockFP8
 from deepinfer_nvidia_sm100.kernels._common import INTERPRET, dot_in_float32, mma, next_pow2, weight_tile
-from deepinfer_nvidia_sm100.kernels.elementwise import limit_in, silu_mul_rounded
+from deepinfer_nvidia_sm100.kernels.elementwise import limit_in, silu_mul_float32, silu_mul_rounded
 
 
 @triton.jit
@@ -37,9 +38,9 @@ def _locate_tile(counts_ptr, E, pid_m, BE: tl.constexpr, BM: tl.constexpr):
 
 @triton.jit
 def _gate_up_kernel(
-    x_ptr, w_ptr, scale_ptr, counts_ptr, act_ptr, D, INNER, E, sx_m, sw_e, sw_n, ss_e, ss_n, sa_m, limit,
-    F32: tl.constexpr, SCALED: tl.constexpr, QBN: tl.constexpr, QBK: tl.constexpr, HAS_LIMIT: tl.constexpr,
-    BE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    x_ptr, w_ptr, scale_ptr, counts_ptr, act_ptr, row_scales_ptr, D, INNER, E, sx_m, sw_e, sw_n, ss_e, ss_n, sa_m,
+    limit, F32: tl.constexpr, SCALED: tl.constexpr, QBN: tl.constexpr, QBK: tl.constexpr, HAS_LIMIT: tl.constexpr,
+    ROW_SCALED: tl.constexpr, BE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
 ):  # fmt: skip
     expert, row0, row_end = _locate_tile(counts_ptr, E, tl.program_id(0), BE, BM)
     if expert >= E:
@@ -64,7 +65,12 @@ def _gate_up_kernel(
         acc_up = mma(a, up, acc_up, F32)
     dtype = act_ptr.dtype.element_ty
     # the GEMM output is rounded first; HAS_LIMIT: then clamped (V4's swiglu_limit), as silu_and_mul does
-    act = silu_mul_rounded(acc_gate.to(dtype), acc_up.to(dtype), dtype, limit, HAS_LIMIT)
+    if ROW_SCALED:  # V4.1: times each row's routing weight in float32, then the one rounding to dtype
+        row_scale = tl.load(row_scales_ptr + rm, mask=rm < row_end, other=0.0)  # [BM] float32, rows as x's
+        act = silu_mul_float32(acc_gate.to(dtype), acc_up.to(dtype), limit, HAS_LIMIT)
+        act = (act * row_scale[:, None]).to(dtype)
+    else:
+        act = silu_mul_rounded(acc_gate.to(dtype), acc_up.to(dtype), dtype, limit, HAS_LIMIT)
     mask = (rm[:, None] < row_end) & (rn[None, :] < INNER)
     tl.store(act_ptr + rm[:, None].to(tl.int64) * sa_m + rn[None, :], act, mask=mask)
 
@@ -123,13 +129,18 @@ def expert_ffn(
     w2,
     fixed_tiles: bool = True,
     swiglu_limit: float | None = None,
+    row_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x [N, D] rows sorted by expert, tokens_per_expert [E], w13 [E, 2I, D], w2 [E, D, I] -> [N, D];
     either weight may be a BlockFP8 (its scale blocks must span whole K tiles).
 
     fixed_tiles=False lets the tile size follow the number of rows (faster prefill, not batch-invariant).
-    swiglu_limit (V4): the fused activation clamps as `silu_and_mul(limit=)` does, in the same kernel."""
+    swiglu_limit (V4): the fused activation clamps as `silu_and_mul(limit=)` does, in the same kernel.
+    row_scales [N] (V4.1's routing weights): the activation stays float32 (clamped in float32), is multiplied
+    by its row's scale and only then rounded to x.dtype, in the same epilogue."""
     rows, hidden = x.shape
+    if row_scales is not None and tuple(row_scales.shape) != (rows,):
+        raise ValueError(f"row_scales has shape {tuple(row_scales.shape)}; expected one scale per row of x, ({rows},)")
     experts, inner = w13.shape[0], w2.shape[2]
     out = torch.empty((rows, hidden), dtype=x.dtype, device=x.device)
     if rows == 0:
@@ -156,10 +167,13 @@ def expert_ffn(
         return (scale, scale.stride(0), scale.stride(1)), dict(SCALED=True, QBN=block[0], QBK=block[1])
 
     (sp13, se13, sn13), flags13 = scale_args(s13, q13)
-    limit, has_limit = limit_in(swiglu_limit, x.dtype)
+    row_scaled = row_scales is not None
+    # the clamp happens in x.dtype as silu_and_mul's does, or in float32 before the row scale
+    limit, has_limit = limit_in(swiglu_limit, torch.float32 if row_scaled else x.dtype)
+    scales = row_scales.to(device=x.device, dtype=torch.float32).contiguous() if row_scaled else act
     _gate_up_kernel[(row_tiles, triton.cdiv(inner, bn))](
-        x, w13, sp13, counts, act, hidden, inner, experts, x.stride(0), w13.stride(0), w13.stride(1), se13, sn13,
-        act.stride(0), limit, HAS_LIMIT=has_limit, **flags13, **common,
+        x, w13, sp13, counts, act, scales, hidden, inner, experts, x.stride(0), w13.stride(0), w13.stride(1), se13,
+        sn13, act.stride(0), limit, HAS_LIMIT=has_limit, ROW_SCALED=row_scaled, **flags13, **common,
     )  # fmt: skip
     (sp2, se2, sn2), flags2 = scale_args(s2, q2)
     _down_kernel[(row_tiles, triton.cdiv(hidden, bn))](
