@@ -1,12 +1,15 @@
 """The tiny DeepSeek-V4.1 configurations, prompts and tokenizer behind tests/fixtures/deepseek_v41.
 
-Used by tools/v41_reference_fixtures.py. Together the cases cover every layer kind (ratio 0 sliding; ratio 2 and
+Used by tools/v41_reference_fixtures.py. Together the cases cover every layer kind (ratio 0 sliding; ratio 4, 2 and
 ratio 1 kv sources and their consumers), two kv sources, index sources that own keys, reindex sources with and
-without the two-level candidate top-k, YaRN on the compress rope, engram on two layers, hyper-connections with
-hc_mult 2, 3 and 4, MoE with gate_temp != 1, swiglu_limit and a random correction bias, and top-1 routing.
-head_dim and index_head_dim are multiples of 32 so the FP8/FP4 rounding runs. Index heads are 6 to 8 so that
-ReLU-zero index scores rarely tie; each seed was picked so the recording has no knife edge (see
-tools/v41_fixture_monitors.py).
+without the two-level candidate top-k, YaRN on the compress rope, engram on two layers (also past the last kv
+source), hyper-connections with hc_mult 2, 3 and 4, MoE with gate_temp != 1, swiglu_limit and a random correction
+bias, top-1 and top-3 routing, sqrtsoftplus and sigmoid scores. deep_decoder_tail has the long prompts (50 and 83
+tokens) and five layers past its last kv source, so that CED prefill and window snapshots at block boundaries
+matter. head_dim and index_head_dim are multiples of 32 so the FP8/FP4 rounding runs. Index heads are 6 to 8 so
+that ReLU-zero index scores rarely tie; each seed was picked so the recording has no knife edge (see
+tools/v41_fixture_monitors.py); deep_decoder_tail's also so that the reference's greedy rows agree with prefilling
+each prompt and its greedy tokens, one-shot or in chunks of 8 or 3 (a check the script does not make).
 """
 
 from __future__ import annotations
@@ -232,6 +235,75 @@ CASES = (
         decode_offset=44,
         decode_prefill=9,
         decode_steps=8,
+    ),
+    Case(
+        name="deep_decoder_tail",
+        covers=(
+            "ratio 0 sliding (layer 0); ratio 4 kv source + index source owning keys (layer 1) and its consumer (2)",
+            "ratio 1 kv source + index source owning keys + candidate source (layer 3), the last kv source",
+            "five CED decoder layers after it (4-8): reindex sources inside the candidate blocks (5 and 7), the "
+            "layers between reuse their top-k; sliding_window 4, so CED prefill skips most prompt rows there",
+            "candidate_block_size 4, candidate_topk_blocks 3, index_topk 5; 3 heads in 3 output groups",
+            "engram on layers 2 and 6 (after the last kv source): max n-gram 2, 3 heads, engram_vocab_size 7, "
+            "pad = <bos>",
+            "YaRN compress rope (factor 8, original 32, beta_fast 16, beta_slow 2), hc_mult 3 with engram",
+            "MoE top-3 of 6, sigmoid scoring, routed_scaling_factor 2.5, gate_temp 1.3, swiglu_limit 0.8",
+            "prompts of 50 and 83 tokens, each ending 2-3 tokens past a block boundary (a prefix hit of 80 tokens), "
+            "chunks 5+47+1+13+17, decode after 53 tokens",
+        ),
+        seed=4413,
+        config=dict(
+            _COMMON,
+            hidden_size=32,
+            num_hidden_layers=9,
+            num_attention_heads=3,
+            head_dim=32,
+            q_lora_rank=16,
+            o_groups=3,
+            o_lora_rank=10,
+            sliding_window=4,
+            compress_ratios=[0, 4, 4, 1, 1, 1, 1, 1, 1],
+            kv_source_layer_ids=[1, 3],
+            index_source_layer_ids=[1, 3, 5, 7],
+            candidate_source_layer_id=3,
+            candidate_block_size=4,
+            candidate_topk_blocks=3,
+            index_n_heads=8,
+            index_head_dim=32,
+            index_topk=5,
+            rope_theta=20000.0,
+            compress_rope_theta=80000.0,
+            rope_scaling={
+                "rope_type": "yarn",
+                "factor": 8.0,
+                "original_max_position_embeddings": 32,
+                "beta_fast": 16,
+                "beta_slow": 2,
+            },
+            max_position_embeddings=256,
+            moe_intermediate_size=8,
+            n_routed_experts=6,
+            num_experts_per_tok=3,
+            scoring_func="sigmoid",
+            routed_scaling_factor=2.5,
+            gate_temp=1.3,
+            swiglu_limit=0.8,
+            hc_mult=3,
+            hc_sinkhorn_iters=5,
+            engram_layer_ids=[2, 6],
+            engram_vocab_size=7,
+            engram_max_ngram_size=2,
+            engram_n_heads=3,
+            engram_head_dim=32,
+            engram_pad_id=2,
+        ),
+        prompt_lengths=(6, 21, 50, 83),
+        prompt_offsets=(77, 140, 250, 400),
+        chunked_prompt=3,
+        chunk_sizes=(5, 47, 1, 13, 17),
+        decode_offset=301,
+        decode_prefill=53,
+        decode_steps=11,
     ),
 )
 
