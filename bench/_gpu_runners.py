@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import sys
 import time
 
 import _gpu
@@ -15,6 +16,7 @@ from deepinfer_core.backend.registry import discover
 from deepinfer_core.backend.resolve import resolve_backend
 from deepinfer_core.backend.selection import select_backend
 from deepinfer_core.engine.engine import Engine, EngineConfig
+from deepinfer_core.engine.scheduler import SchedulerConfig
 from deepinfer_core.errors import DeepInferError
 from deepinfer_core.model.config import DeepseekConfig
 from deepinfer_core.model.deepseek_v3 import DeepseekV3Model
@@ -129,6 +131,94 @@ class Ours:
             "total_ms_per_step": total / steps / 1e3,
             "top": [{**k, "share": k["ms_per_step"] * steps * 1e3 / total} for k in top],
         }
+
+
+def select_device(args, dtype: torch.dtype, what: str):
+    """-> (torch device, backend entry or None, resolved backend or None); exits, saying why, where a full-size
+    run (`what`) would land on the CPU."""
+    entry = backend = None
+    if args.skip_ours:
+        device = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
+    else:
+        entry = select_backend(discover(), args.accelerator)
+        backend = resolve_backend(entry, dtype=dtype)
+        device = backend.torch_device
+    if device.type == "cpu" and not args.tiny:
+        where = "no CUDA device is visible" if entry is None else f"backend {entry.name} runs on the CPU"
+        sys.exit(
+            f"{what} needs a GPU, but {where}: pass --accelerator with a GPU backend, "
+            "--skip-ours for the transformers baseline and bounds alone, or --tiny for a CPU smoke run"
+        )
+    return device, entry, backend
+
+
+def engine_config(args, block: int, **extra) -> EngineConfig:
+    """KV blocks for the largest workload of `args` and a scheduler that takes every prompt of a batch in one step."""
+    (n_prefill, prefill_len), max_batch = args.prefill, max(args.batches)
+    blocks = max_batch + max(
+        max_batch * -(-(args.prompt_len + args.new_tokens) // block), n_prefill * -(-(prefill_len + 1) // block)
+    )
+    scheduler = SchedulerConfig(
+        max_num_seqs=max(256, max_batch),
+        max_num_batched_tokens=max(16384, max_batch * args.prompt_len, n_prefill * prefill_len),
+    )
+    return EngineConfig(num_kv_blocks=blocks, scheduler=scheduler, **extra)
+
+
+def run_workload(args, systems: dict, hf, vocab: int, device) -> tuple[dict, dict, list | None]:
+    """Decode at every batch (ours; transformers at args.hf_batches), prefill, the profile of ours_default
+    -> (decode {system: {batch: result}}, prefill {system: result}, profiles or None)."""
+    decode = {key: {} for key in [*systems, *(["hf"] if hf else [])]}
+    for b in args.batches:
+        prompts = make_prompts(b, args.prompt_len, vocab, args.seed * 1000 + b)
+        warmup = make_prompts(b, args.prompt_len, vocab, args.seed * 1000 + 500 + b)
+        for key, system in systems.items():
+            decode[key][str(b)] = system.decode(prompts, warmup, args.new_tokens)
+            print(f"{key} batch {b}: {decode[key][str(b)]['ms_per_step']:.2f} ms/step", flush=True)
+        if hf is not None and b in args.hf_batches:
+            decode["hf"][str(b)] = hf_decode(hf, prompts, args.new_tokens, device)
+            print(f"hf batch {b}: {decode['hf'][str(b)]['ms_per_step']:.2f} ms/step", flush=True)
+    n_prefill, prefill_len = args.prefill
+    prefill_sets = [
+        make_prompts(n_prefill, prefill_len, vocab, args.seed * 1000 + 900 + r) for r in range(1 + args.prefill_repeats)
+    ]
+    prefill = {key: system.prefill(prefill_sets) for key, system in systems.items()}
+    if hf is not None:
+        prefill["hf"] = hf_prefill(hf, prefill_sets, device)
+    profiles = None
+    if args.profile and "ours_default" in systems:
+        profiles = [
+            systems["ours_default"].profile(make_prompts(b, args.prompt_len, vocab, args.seed * 1000 + 700 + b), 5)
+            for b in args.profile_batches
+        ]
+    return decode, prefill, profiles
+
+
+def workload_report(args, config: EngineConfig, block: int) -> dict:
+    scheduler = config.scheduler
+    return {
+        "batches": args.batches,
+        "hf_batches": args.hf_batches,
+        "prompt_len": args.prompt_len,
+        "new_tokens": args.new_tokens,
+        "prefill": list(args.prefill),
+        "prefill_repeats": args.prefill_repeats,
+        "greedy": True,
+        "ignore_eos": True,
+        "prompts": "uniform random ids in [8, vocab); the same prompts for every system at a batch",
+        "seed": args.seed,
+        "engine": {
+            "num_kv_blocks": config.num_kv_blocks,
+            "block_size": block,
+            "max_num_seqs": scheduler.max_num_seqs,
+            "max_num_batched_tokens": scheduler.max_num_batched_tokens,
+            "step_budget_s": scheduler.step_budget_s,
+        },
+        "method": "ours: every engine.step() timed with the device synchronised before and after; decode "
+        "steps = steps with no prompt tokens and all B sequences (median, p90); an untimed 4-token run at "
+        "each batch first. transformers: (generate(N) - min of 2 generate(1)) / (N - 1) after a "
+        "generate(2) warm-up. prefill: median over repeats after one untimed warm-up at the same shape.",
+    }
 
 
 def hf_decode(model, prompts, new: int, device) -> dict:

@@ -16,6 +16,11 @@ as a DeepSeek-V3 config (27 layers, hidden 2048, MLA kv_lora 512, 64 routed expe
 5. greedy-agreement checks on tiny configs: ours vs transformers (float32, identical tokens expected), and
    FP8 weights vs the same weights dequantized.
 
+`--model v4` / `--model v41` (bench/_gpu_v4_run.py): DeepSeek-V4 at V4-Flash width (4 layers: sliding, CSA,
+HCA, CSA; 32 experts) against transformers' DeepseekV4ForCausalLM on the same weights, or DeepSeek-V4.1 at its
+released width (5 layers, 32 experts; transformers has no V4.1), each against a bound counting the cache bytes
+the model's cache_specs say a decode step reads; the default mode of ours only.
+
 Run: python bench/gpu_decode.py            (on a GPU; --tiny for a CPU smoke run)
 """
 
@@ -34,24 +39,21 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))  # run as a script: bench/ holds its helpers
 import _gpu  # noqa: E402
 import _gpu_measure as measure  # noqa: E402
+import _gpu_v4_run  # noqa: E402
 from _common import machine, versions  # noqa: E402
 from _gpu_report import print_table, summarise, write_plot  # noqa: E402
 from _gpu_runners import (  # noqa: E402
     Ours,
     agreement_check,
     batch_invariant_backend,
+    engine_config,
     fp8_agreement_check,
     fp8_backend,
-    hf_decode,
-    hf_prefill,
-    make_prompts,
+    run_workload,
+    select_device,
+    workload_report,
 )
 
-from deepinfer_core.backend.registry import discover  # noqa: E402
-from deepinfer_core.backend.resolve import resolve_backend  # noqa: E402
-from deepinfer_core.backend.selection import select_backend  # noqa: E402
-from deepinfer_core.engine.engine import EngineConfig  # noqa: E402
-from deepinfer_core.engine.scheduler import SchedulerConfig  # noqa: E402
 from deepinfer_core.model.config import DeepseekConfig  # noqa: E402
 from deepinfer_core.model.deepseek_v3 import DeepseekV3Model  # noqa: E402
 
@@ -63,12 +65,19 @@ def parse_args(argv):
     p = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
     )
+    p.add_argument(
+        "--model",
+        choices=("v3", "v4", "v41"),
+        default="v3",
+        help="v3: V2-Lite dimensions as DeepSeek-V3; v4: DeepSeek-V4 at V4-Flash width, 4 layers, 32 experts; "
+        "v41: DeepSeek-V4.1 at its released width, 5 layers, 32 experts (no transformers baseline)",
+    )
     p.add_argument("--accelerator", default="auto", help="backend name or alias, or auto")
     p.add_argument("--tiny", action="store_true", help="tiny float32 config and workload: a CPU smoke run")
-    p.add_argument("--batches", type=ints, help="decode batch sizes (default 1,16,64,256; tiny 1,4)")
-    p.add_argument("--new-tokens", type=int, help="tokens generated per sequence (default 64; tiny 6)")
+    p.add_argument("--batches", type=ints, help="decode batch sizes (default 1,16,64,256; v4, v41 1,16,64; tiny 1,4)")
+    p.add_argument("--new-tokens", type=int, help="tokens generated per sequence (default 64; v4, v41 33; tiny 6)")
     p.add_argument("--prompt-len", type=int, help="decode prompt length (default 128; tiny 16)")
-    p.add_argument("--prefill", type=ints, help="prefill prompts,length (default 16,1024; tiny 4,64)")
+    p.add_argument("--prefill", type=ints, help="prefill prompts,length (default 16,1024; v4, v41 8,1024; tiny 4,64)")
     p.add_argument("--prefill-repeats", type=int, default=3)
     p.add_argument("--hf-batches", type=ints, help="batches run with transformers (default: those <= 64)")
     p.add_argument("--skip-hf-batches", type=ints, default=[], help="leave these batches out of the transformers runs")
@@ -87,15 +96,17 @@ def parse_args(argv):
     p.add_argument("--copy-mib", type=int, help="buffer of the copy-bandwidth measurement (default 2048; tiny 16)")
     p.add_argument("--gemm-size", type=int, help="n of the n^3 GEMM peak measurement (default 8192; tiny 256)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", type=Path, help="default bench/results/gpu_decode_<device>.json")
+    p.add_argument(
+        "--out", type=Path, help="default bench/results/gpu_decode_<device>.json (v4, v41: gpu_decode_<model>_<device>)"
+    )
     p.add_argument("--plot", type=Path, help="default: --out with .png")
     args = p.parse_args(argv)
-    tiny = args.tiny
+    tiny, v3 = args.tiny, args.model == "v3"
     defaults = {
-        "batches": [1, 4] if tiny else [1, 16, 64, 256],
-        "new_tokens": 6 if tiny else 64,
+        "batches": [1, 4] if tiny else [1, 16, 64, 256] if v3 else [1, 16, 64],
+        "new_tokens": 6 if tiny else 64 if v3 else 33,
         "prompt_len": 16 if tiny else 128,
-        "prefill": [4, 64] if tiny else [16, 1024],
+        "prefill": [4, 64] if tiny else [16, 1024] if v3 else [8, 1024],
         "profile_batches": [1, 4] if tiny else [1, 64],
         "copy_mib": 16 if tiny else 2048,
         "gemm_size": 256 if tiny else 8192,
@@ -115,19 +126,7 @@ def build(args):
     """-> (raw config, parsed config, dtype, device, backend entry or None, default backend or None)."""
     raw = _gpu.TINY_CONFIG if args.tiny else _gpu.V2_LITE_CONFIG
     dtype = torch.float32 if args.tiny else torch.bfloat16
-    entry = backend = None
-    if args.skip_ours:
-        device = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
-    else:
-        entry = select_backend(discover(), args.accelerator)
-        backend = resolve_backend(entry, dtype=dtype)
-        device = backend.torch_device
-    if device.type == "cpu" and not args.tiny:
-        where = "no CUDA device is visible" if entry is None else f"backend {entry.name} runs on the CPU"
-        sys.exit(
-            f"the V2-Lite-sized model needs a GPU, but {where}: pass --accelerator with a GPU backend, "
-            "--skip-ours for the transformers baseline and bounds alone, or --tiny for a CPU smoke run"
-        )
+    device, entry, backend = select_device(args, dtype, "the V2-Lite-sized model")
     return raw, DeepseekConfig.from_hf(raw), dtype, device, entry, backend
 
 
@@ -172,6 +171,8 @@ def build_models(args, cfg, dtype, device, entry, backend) -> tuple[dict, object
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.model != "v3":
+        return _gpu_v4_run.main(args, argv)
     started = time.perf_counter()
     raw, cfg, dtype, device, entry, backend = build(args)
     args.raw_config = raw
@@ -196,39 +197,10 @@ def main(argv: list[str] | None = None) -> int:
         fp8_agreement = run_fp8_agreement(entry, args.seed)
     models, hf, build_seconds, notes = build_models(args, cfg, dtype, device, entry, backend)
 
-    prompt_len, new, (n_prefill, prefill_len) = args.prompt_len, args.new_tokens, args.prefill
-    max_batch, block = max(args.batches), backend.kv_layout.block_size if backend else 1
-    blocks = max_batch + max(max_batch * -(-(prompt_len + new) // block), n_prefill * -(-(prefill_len + 1) // block))
-    scheduler = SchedulerConfig(  # every prompt of a batch in one step
-        max_num_seqs=max(256, max_batch),
-        max_num_batched_tokens=max(16384, max_batch * prompt_len, n_prefill * prefill_len),
-    )
-    systems = {
-        key: Ours(m, b, EngineConfig(num_kv_blocks=blocks, scheduler=scheduler)) for key, (m, b) in models.items()
-    }
-    decode = {key: {} for key in [*systems, *(["hf"] if hf else [])]}
-    for b in args.batches:
-        prompts = make_prompts(b, prompt_len, cfg.vocab_size, args.seed * 1000 + b)
-        warmup = make_prompts(b, prompt_len, cfg.vocab_size, args.seed * 1000 + 500 + b)
-        for key, system in systems.items():
-            decode[key][str(b)] = system.decode(prompts, warmup, new)
-            print(f"{key} batch {b}: {decode[key][str(b)]['ms_per_step']:.2f} ms/step", flush=True)
-        if hf is not None and b in args.hf_batches:
-            decode["hf"][str(b)] = hf_decode(hf, prompts, new, device)
-            print(f"hf batch {b}: {decode['hf'][str(b)]['ms_per_step']:.2f} ms/step", flush=True)
-    prefill_sets = [
-        make_prompts(n_prefill, prefill_len, cfg.vocab_size, args.seed * 1000 + 900 + r)
-        for r in range(1 + args.prefill_repeats)
-    ]
-    prefill = {key: system.prefill(prefill_sets) for key, system in systems.items()}
-    if hf is not None:
-        prefill["hf"] = hf_prefill(hf, prefill_sets, device)
-    profiles = None
-    if args.profile and "ours_default" in systems:
-        profiles = [
-            systems["ours_default"].profile(make_prompts(b, prompt_len, cfg.vocab_size, args.seed * 1000 + 700 + b), 5)
-            for b in args.profile_batches
-        ]
+    block = backend.kv_layout.block_size if backend else 1
+    engine = engine_config(args, block)
+    systems = {key: Ours(m, b, engine) for key, (m, b) in models.items()}
+    decode, prefill, profiles = run_workload(args, systems, hf, cfg.vocab_size, device)
 
     report_sizes, fp8_sizes = measure.model_sizes(cfg, dtype), measure.model_sizes(cfg, dtype, fp8=True)
     report = {
@@ -266,29 +238,7 @@ def main(argv: list[str] | None = None) -> int:
         },
         "config": raw,
         "params": report_sizes,
-        "workload": {
-            "batches": args.batches,
-            "hf_batches": args.hf_batches,
-            "prompt_len": prompt_len,
-            "new_tokens": new,
-            "prefill": [n_prefill, prefill_len],
-            "prefill_repeats": args.prefill_repeats,
-            "greedy": True,
-            "ignore_eos": True,
-            "prompts": "uniform random ids in [8, vocab); the same prompts for every system at a batch",
-            "seed": args.seed,
-            "engine": {
-                "num_kv_blocks": blocks,
-                "block_size": block,
-                "max_num_seqs": scheduler.max_num_seqs,
-                "max_num_batched_tokens": scheduler.max_num_batched_tokens,
-                "step_budget_s": scheduler.step_budget_s,
-            },
-            "method": "ours: every engine.step() timed with the device synchronised before and after; decode "
-            "steps = steps with no prompt tokens and all B sequences (median, p90); an untimed 4-token run at "
-            "each batch first. transformers: (generate(N) - min of 2 generate(1)) / (N - 1) after a "
-            "generate(2) warm-up. prefill: median over repeats after one untimed warm-up at the same shape.",
-        },
+        "workload": workload_report(args, engine, block),
         "measurements": {"copy_bandwidth": copy, "gemm": gemm, "build_seconds": build_seconds},
         "decode": decode,
         "prefill": prefill,

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from deepinfer_core.backend.resolve import resolve_backend
+
 pytest.importorskip("transformers")
 
 SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "gpu_decode.py"
@@ -98,7 +100,7 @@ def test_gpu_decode_measures_the_fp8_model_where_the_backend_takes_fp8_weights(t
     gpu_decode = importlib.import_module("gpu_decode")
 
     def capable(entry, dtype):
-        backend = gpu_decode.resolve_backend(entry, dtype=dtype)
+        backend = resolve_backend(entry, dtype=dtype)
         formats = dataclasses.replace(backend.capabilities, weight_formats=("fp8_block",))
         return dataclasses.replace(backend, capabilities=formats), None
 

@@ -1,0 +1,186 @@
+"""gpu_decode.py --model v4 | v41: DeepSeek-V4 (vs transformers' DeepseekV4ForCausalLM on the same weights) or
+DeepSeek-V4.1 (no transformers baseline), decode and prefill vs the bound, one run, JSON naming the machine.
+
+The workload and the timing are V3's (run_workload, bench/_gpu_runners.py); the bounds count the bytes a
+decode step reads from the model's own cache declarations (bench/_gpu_v4_bound.py). Only the default mode of
+ours is measured here: the batch-invariant and FP8-weight models are V3's so far (recorded as not measured).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import re
+import sys
+import time
+from pathlib import Path
+
+import _gpu_measure as measure
+import _gpu_v4 as models
+import _gpu_v4_bound as bound
+import torch
+from _common import machine, versions
+from _gpu_report import write_plot
+from _gpu_runners import Ours, engine_config, hf_decode, make_prompts, run_workload, select_device, workload_report
+
+from deepinfer_core.backend.resolve import resolve_backend
+from deepinfer_core.engine.engine import EngineConfig
+
+NOT_MEASURED = "not measured for --model {model}: gpu_decode.py measures it on the V3 model only so far"
+
+
+def main(args, argv: list[str] | None) -> int:
+    started = time.perf_counter()
+    family = models.FAMILIES[args.model]
+    raw = models.CONFIGS[args.model][1 if args.tiny else 0]
+    cfg = family.parse(raw)
+    dtype = torch.float32 if args.tiny else torch.bfloat16
+    width = "tiny" if args.tiny else f"hidden {cfg.hidden_size}"
+    device, entry, backend = select_device(args, dtype, f"{family.title} at {width}")
+    hf_reason = family.hf_unavailable or ("skipped (--skip-hf)" if args.skip_hf else None)
+    if hf_reason is None:
+        try:
+            import transformers
+
+            transformers.logging.set_verbosity_error()
+        except ImportError:
+            hf_reason = "transformers is not installed"
+    dev = measure.device_info(device)
+    name = dev.get("gpu_name", device.type)
+    slug = re.sub(r"[^a-z0-9]+", "_", name.lower()).strip("_")
+    out = args.out or Path(f"bench/results/gpu_decode_{args.model}_{slug}.json")
+    print(f"{family.title}, device {name}, backend {entry.name if entry else '-'}, {_name(dtype)}", flush=True)
+
+    copy = measure.measure_copy_bandwidth(device, args.copy_mib)
+    gemm = measure.measure_gemm(device, dtype, args.gemm_size)
+    agreement = None
+    if entry is not None and hf_reason is None:
+        agreement = agreement_check(entry, device, args.seed)
+        print(f"greedy agreement with transformers (tiny float32): {agreement['hf_agreement']:.3f}", flush=True)
+
+    seconds, t0 = {}, time.perf_counter()
+    weights = models.random_weights(family, cfg, device, dtype, args.seed)
+    seconds["weights"], t0 = time.perf_counter() - t0, time.perf_counter()
+    model, stacks = models.build_ours(family, cfg, weights, backend) if backend else (None, {})
+    if model is not None:
+        seconds["ours_default"] = time.perf_counter() - t0
+    hf = None
+    if hf_reason is None:
+        t0 = time.perf_counter()
+        hf = models.hf_model(raw, models.hf_state_dict(weights, cfg, stacks), device, dtype)
+        seconds["hf"] = time.perf_counter() - t0
+    del weights  # the models hold what they read
+
+    block = backend.kv_layout.block_size if backend else 128
+    engine = engine_config(args, block, window_snapshot_bytes=0)  # no host copies of windows: nothing hits
+    systems = {"ours_default": Ours(model, backend, engine)} if model is not None else {}
+    decode, prefill, profiles = run_workload(args, systems, hf, cfg.vocab_size, device)
+
+    specs, specs_from = _cache_specs(family, cfg, model, dtype)
+    report = {
+        "benchmark": "gpu_decode",
+        "model": {
+            "name": args.model,
+            "title": family.title,
+            "architecture": cfg.architecture,
+            "layer_types": list(cfg.layer_types),
+            **_schedule(family, cfg),
+        },
+        "timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "command": " ".join(["python", "bench/gpu_decode.py", *(argv if argv is not None else sys.argv[1:])]),
+        "machine": {**machine(), "device": dev},
+        "versions": {**versions(), **measure.extra_versions()},
+        "backend": None
+        if backend is None
+        else {
+            "name": entry.name,
+            "device": backend.device.name,
+            "dtype": _name(dtype),
+            "block_size": block,
+            "capabilities": backend.capabilities.as_dict(),
+        },
+        "systems": {
+            "ours_default": "DeepInfer's engine, default mode" if systems else "not measured (--skip-ours)",
+            "hf": "transformers' DeepseekV4ForCausalLM, eager, generate / forward" if hf else f"none: {hf_reason}",
+        },
+        "batch_invariant": {"measured": False, "reason": NOT_MEASURED.format(model=args.model)},
+        "fp8": {"measured": False, "reason": NOT_MEASURED.format(model=args.model)},
+        "hf": {"available": False, "reason": hf_reason}
+        if hf is None
+        else {
+            "available": True,
+            "class": type(hf).__name__,
+            "attn_implementation": hf.config._attn_implementation,
+            "experts_implementation": getattr(hf.config, "_experts_implementation", None),
+        },
+        "config": raw,
+        "params": bound.weight_sizes(family, cfg, dtype),
+        "cache": bound.cache_report(specs, block, specs_from),
+        "workload": {**workload_report(args, engine, block), "window_snapshot_bytes": 0},
+        "measurements": {"copy_bandwidth": copy, "gemm": gemm, "build_seconds": seconds},
+        "decode": decode,
+        "prefill": prefill,
+        "hf_agreement": agreement,
+        "profile": profiles,
+    }
+    bound.summarise(report, family, cfg, specs)
+    if device.type == "cuda":
+        report["measurements"]["max_memory_allocated_bytes"] = torch.cuda.max_memory_allocated(device)
+    title = f"{family.title}, {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, {_name(dtype)}, {name}"
+    report["plot"] = write_plot(args.plot or out.with_suffix(".png"), decode, report["bound"]["decode"], title)
+    report["wall_seconds"] = time.perf_counter() - started
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=1) + "\n")
+    bound.print_table(report)
+    print(f"\nwrote {out} ({report['wall_seconds']:.0f} s)")
+    return 0
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _schedule(family, cfg) -> dict:
+    if family.name == "v4":
+        return {"compress_rates": cfg.compress_rates, "mlp_layer_types": list(cfg.mlp_layer_types)}
+    return {
+        "compress_ratios": list(cfg.compress_ratios),
+        "kv_source_layer_ids": list(cfg.kv_source_layer_ids),
+        "index_source_layer_ids": list(cfg.index_source_layer_ids),
+        "candidate_source_layer_id": cfg.candidate_source_layer_id,
+        "engram_layer_ids": list(cfg.engram_layer_ids),
+    }
+
+
+def _cache_specs(family, cfg, model, dtype: torch.dtype) -> tuple[list, str]:
+    """The model's cache declarations; without a model (--skip-ours) the same declarations built on meta
+    tensors (bench/v41_cache_bytes.py)."""
+    if model is not None:
+        return model.cache_specs, "model.cache_specs"
+    import v41_cache_bytes
+
+    make = v41_cache_bytes.v4_cache_specs if family.name == "v4" else v41_cache_bytes.v41_cache_specs
+    return make(cfg, dtype), "meta declarations (bench/v41_cache_bytes.py), no model built"
+
+
+def agreement_check(entry, device, seed: int) -> dict:
+    """V4_TINY in float32, same weights: our engine vs transformers' generate, greedy tokens compared."""
+    family = models.FAMILIES["v4"]
+    dtype = torch.float32 if "float32" in entry.capabilities.dtypes else torch.bfloat16
+    backend = resolve_backend(entry, dtype=dtype)
+    cfg = family.parse(models.V4_TINY)
+    weights = models.random_weights(family, cfg, device, dtype, seed)
+    model, stacks = models.build_ours(family, cfg, weights, backend)
+    hf = models.hf_model(models.V4_TINY, models.hf_state_dict(weights, cfg, stacks), device, dtype)
+    prompts = make_prompts(4, 16, cfg.vocab_size, seed + 7)
+    ours = Ours(model, backend, EngineConfig(num_kv_blocks=64, window_snapshot_bytes=0)).run(prompts, 16)[1]
+    match = measure.token_match(ours, hf_decode(hf, prompts, 16, device)["tokens"])
+    return {
+        "check": "V4_TINY of bench/_gpu_v4.py (sliding, CSA, HCA, CSA; window 8, rates 4 / 8; indexer top-k above "
+        "the entry count), random weights, 4 prompts x 16 ids, 16 greedy tokens: our engine on the chosen backend "
+        "vs transformers generate",
+        "dtype": _name(dtype),
+        "hf_agreement": match["identical_token_fraction"],
+        "passed": match["identical_token_fraction"] == 1.0,
+        **match,
+    }

@@ -1,0 +1,105 @@
+"""Smoke tests of bench/gpu_decode.py --model v4 | v41 with --tiny on the CPU: each runs and writes a complete
+report naming the model, its systems, batches and bounds (with what the bounds count).
+
+No timing is asserted (DESIGN.md §7). DeepSeek-V4: our engine and transformers give the same greedy tokens on
+the same weights; DeepSeek-V4.1 has no transformers baseline, which the report says.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("transformers")
+
+SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "gpu_decode.py"
+TOP_LEVEL = {"model", "machine", "versions", "backend", "systems", "hf", "config", "params", "cache", "workload"}
+TOP_LEVEL |= {"measurements", "decode", "prefill", "bound", "comparisons", "hf_agreement", "plot"}
+
+
+def _run(tmp_path: Path, model: str, *extra: str) -> dict:
+    out = tmp_path / f"{model}.json"
+    args = ["--tiny", "--model", model, "--out", str(out), "--plot", str(tmp_path / f"{model}.png")]
+    args += ["--prefill-repeats", "1", *extra]
+    run = subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
+def _check_complete(report: dict, model: str, systems: set[str]) -> None:
+    assert TOP_LEVEL <= set(report)
+    assert report["model"]["name"] == model and report["model"]["layer_types"]
+    assert report["machine"]["cpu_count"] and report["versions"]["torch"]
+    batches = [str(b) for b in report["workload"]["batches"]]
+    assert set(report["decode"]) == systems and set(report["prefill"]) == systems
+    for system in systems:
+        assert set(report["decode"][system]) == set(batches)
+        for result in report["decode"][system].values():
+            assert {"ms_per_step", "tokens_per_s", "fraction_of_bound", "fraction_of_memory_bound"} <= set(result)
+            if system == "ours_default":  # transformers' is a difference of two timings: noise can make it < 0
+                assert result["ms_per_step"] > 0 and result["fraction_of_bound"] > 0
+        assert report["prefill"][system]["tokens_per_s"] > 0 and report["prefill"][system]["fraction_of_bound"] > 0
+    bound = report["bound"]
+    for b in batches:
+        step = bound["decode"][b]
+        assert step["memory_bound_ms"] > 0 and step["bound_ms"] >= step["memory_bound_ms"]
+        assert step["weight_bytes"] > 0 and step["kv_bytes"] > 0 and step["flops"] > 0
+        assert step["kv_bytes"] == sum(step["kv_bytes_by_cache"].values())
+    assert bound["prefill"]["flops"] > bound["prefill"]["attention_flops"] > 0
+    counted = bound["counted"]
+    assert {"weights", "caches", "flops", "not_counted", "mean_decode_context"} <= set(counted)
+    reads = counted["per_sequence_cache_reads"]
+    assert {"window", "compressed", "index_keys", "compressor_state"} <= set(reads)
+    assert all(r["bytes"] > 0 and r["read_by"] for r in reads.values())
+    layers = report["cache"]["layers"]
+    assert len(layers) == len(report["model"]["layer_types"]) and report["cache"]["sequence_slot_bytes"] > 0
+    assert report["params"]["bytes_total"] > 0 and report["params"]["active_params_per_token"] > 0
+    assert report["measurements"]["copy_bandwidth"]["gb_per_s"] > 0
+    assert report["batch_invariant"]["measured"] is False and report["fp8"]["measured"] is False
+
+
+def test_gpu_decode_v4_tiny_writes_a_complete_report(tmp_path):
+    report = _run(tmp_path, "v4", "--accelerator", "cpu")
+    _check_complete(report, "v4", {"ours_default", "hf"})
+    assert report["model"]["layer_types"] == [
+        "sliding_attention",
+        "compressed_sparse_attention",
+        "heavily_compressed_attention",
+        "compressed_sparse_attention",
+    ]
+    assert report["hf"]["available"] and report["hf"]["class"] == "DeepseekV4ForCausalLM"
+    assert report["cache"]["specs_from"] == "model.cache_specs"
+    agreement = report["hf_agreement"]
+    assert agreement["passed"] and agreement["hf_agreement"] == 1.0, agreement
+    for b in map(str, report["workload"]["batches"]):
+        assert report["comparisons"]["token_match_vs_hf"][b]["identical_token_fraction"] == 1.0
+        assert report["comparisons"]["speedup_vs_hf"][b] > 0
+    # CSA reads the indexer's top-k of its entries, HCA all of them; both hold compressor states
+    reads = report["bound"]["counted"]["per_sequence_cache_reads"]
+    assert reads["index_keys"]["read_by"] == [1, 3] and reads["compressed"]["read_by"] == [1, 2, 3]
+
+
+def test_gpu_decode_v41_tiny_says_it_has_no_transformers_baseline(tmp_path):
+    report = _run(tmp_path, "v41", "--accelerator", "cpu", "--profile", "--profile-batches", "1")
+    _check_complete(report, "v41", {"ours_default"})
+    assert report["hf"] == {
+        "available": False,
+        "reason": "transformers: no deepseek_v41 in 5.24; the reference is not on pip",
+    }
+    assert report["hf_agreement"] is None and report["comparisons"]["speedup_vs_hf"] == {}
+    assert report["model"]["compress_ratios"] == [0, 2, 2, 1, 1]
+    assert report["model"]["kv_source_layer_ids"] == [1, 3] and report["model"]["engram_layer_ids"] == []
+    # a group's compressed entries live on its kv source; every attending layer of the group reads them
+    reads = report["bound"]["counted"]["per_sequence_cache_reads"]
+    assert reads["compressed"]["held_by"] == [1, 3] and reads["compressed"]["read_by"] == [1, 2, 3, 4]
+    assert report["profile"][0]["top"]
+
+
+def test_gpu_decode_v4_skip_ours_bounds_from_the_declared_caches(tmp_path):
+    report = _run(tmp_path, "v4", "--skip-ours")
+    _check_complete(report, "v4", {"hf"})
+    assert report["backend"] is None and report["cache"]["specs_from"].startswith("meta declarations")
