@@ -71,7 +71,8 @@ def run_cli():
         full_env.update(env or {})
         exe = shutil.which("deepinfer", path=str(Path(sys.executable).parent))
         assert exe, "the deepinfer console script is not installed next to this Python"
-        return subprocess.run([exe, *args], capture_output=True, text=True, env=full_env, timeout=120)
+        # a guard against a hang, not a timing check: a conformance run on 2 loaded cores took over 120 s
+        return subprocess.run([exe, *args], capture_output=True, text=True, env=full_env, timeout=300)
 
     return run
 

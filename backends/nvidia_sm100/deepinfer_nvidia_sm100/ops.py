@@ -5,9 +5,10 @@ dense GEMMs in the default mode, the fixed-tiling Triton GEMM in batch-invariant
 DeepSeek-V4's op features on those fast paths are Triton too: the swiglu limit (`silu_and_mul(limit=)`,
 `expert_ffn(swiglu_limit=)`, fused into the same kernels) and sqrtsoftplus / hash routing (the routing
 kernel); hc_pre (after torch's rms and mixing GEMM: the weights, Sinkhorn and the collapse in one kernel),
-hc_post and softmax_pool are kernels (kernels.hyper). V4's attention ops, sparse_attention and
-indexer_topk, are for now the reference backend's PyTorch code run on the GPU tensors: a correctness-first
-path, not kernels (a loop over the sequences with host reads of the metadata, results that may depend on
+hc_post and softmax_pool are kernels (kernels.hyper), and so is V4's sparse_attention
+(kernels.sparse_attention: one program per query token, no host reads, rows independent of the batch).
+indexer_topk is for now the reference backend's PyTorch code run on the GPU tensors: a correctness-first
+path, not a kernel (a loop over the sequences with host reads of the metadata, results that may depend on
 the batch). DeepSeek-V4.1's ops (V41_OPS) are the reference's PyTorch code on the GPU too, for now, but for
 the op feature expert_row_scales (`expert_ffn(row_scales=)`), fused into the grouped expert GEMM's epilogue.
 
@@ -22,8 +23,9 @@ import torch.nn.functional as F
 from deepinfer_core.backend.ops import AttentionMetadata, BlockFP8, RoutingConfig
 from deepinfer_core.kv.layout import CacheSpec, KVLayout
 from deepinfer_core.reference.attention import ReferenceAttention
+from deepinfer_core.reference.kv import ReferenceKVLayout
 from deepinfer_core.reference.ops import ReferenceOps
-from deepinfer_nvidia_sm100.kernels import attention, elementwise, gemm, hyper, moe, routing
+from deepinfer_nvidia_sm100.kernels import attention, elementwise, gemm, hyper, moe, routing, sparse_attention
 
 __all__ = ["NvidiaAttention", "NvidiaOps"]
 
@@ -143,9 +145,10 @@ class NvidiaAttention:
     """Implements AttentionOps (a Triton kernel) and V4AttentionOps over the row-per-slot caches of
     `ReferenceKVLayout` (paged, compressed paged, sliding-window rings).
 
-    sparse_attention and indexer_topk are the reference's PyTorch code on the GPU tensors for now: a loop
-    over the sequences with host reads of the metadata (so not capturable in a device graph; V4 decode
-    steps are not captured), each sequence's work shaped by its query count (so not batch-invariant).
+    sparse_attention is a Triton kernel (with a reference fallback, see the method). indexer_topk and
+    indexer_select are the reference's PyTorch code on the GPU tensors for now: a loop over the sequences
+    with host reads of the metadata (so not capturable in a device graph; V4 decode steps are not
+    captured), each sequence's work shaped by its query count (so not batch-invariant).
     """
 
     def __init__(self, layout: KVLayout) -> None:
@@ -172,11 +175,24 @@ class NvidiaAttention:
         compressed_spec: CacheSpec | None = None,
         indices: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """PyTorch reference code (not a kernel)."""
-        return self._torch.sparse_attention(
-            q, kv, ring, ring_spec, meta, sinks=sinks, scale=scale,
-            compressed=compressed, compressed_spec=compressed_spec, indices=indices,
-        )  # fmt: skip
+        """The Triton kernel (kernels.sparse_attention) where it reads the caches: ReferenceKVLayout's
+        row-per-slot tensors, one cached head, and q, kv and the caches of one float32 / bfloat16 / float16
+        dtype. Anything else (another layout, mixed or FP8 cache dtypes) falls back to the reference's
+        PyTorch code, with the same result up to rounding."""
+        args = dict(sinks=sinks, scale=scale, compressed=compressed, compressed_spec=compressed_spec, indices=indices)
+        if self._kernel_reads(q, kv, ring, ring_spec, compressed, compressed_spec):
+            return sparse_attention.sparse_attention(q, kv, ring, ring_spec, meta, self.block_size, **args)
+        return self._torch.sparse_attention(q, kv, ring, ring_spec, meta, **args)
+
+    def _kernel_reads(self, q, kv, ring, ring_spec, compressed, compressed_spec) -> bool:
+        """Whether the sparse attention kernel can read these tensors (see sparse_attention)."""
+        caches = [(ring, ring_spec)] + ([] if compressed is None else [(compressed, compressed_spec)])
+        return (
+            isinstance(self.layout, ReferenceKVLayout)
+            and q.dtype in (torch.float32, torch.bfloat16, torch.float16)
+            and kv.dtype == q.dtype
+            and all(c.dtype == q.dtype and s.num_heads == 1 and c.shape[1:] == (1, q.shape[-1]) for c, s in caches)
+        )
 
     def indexer_topk(
         self,

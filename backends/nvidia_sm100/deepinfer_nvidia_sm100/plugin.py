@@ -20,8 +20,8 @@ MIN_COMPUTE_CAPABILITY = (9, 0)  # SM90 (Hopper); SM100-only paths are gated sep
 
 # Not an op: a caveat of the batch-invariant mode, reported beside the unsupported ops (nothing asks for it).
 _V4_BATCH_INVARIANCE = (
-    "DeepSeek-V4's sparse_attention and indexer_topk (and DeepSeek-V4.1's ops) run as the reference's PyTorch "
-    "code on the GPU (correctness first, no kernels yet), and hc_pre normalises with torch ops: per-sequence "
+    "DeepSeek-V4's indexer_topk (and DeepSeek-V4.1's ops) run as the reference's PyTorch code on the GPU "
+    "(correctness first, no kernels yet), and hc_pre normalises with torch ops: per-sequence "
     "loops and torch reductions whose results may depend on the batch and the prefill chunking, so "
     "batch-invariant mode covers DeepSeek V2/V3 models only"
 )
@@ -51,9 +51,9 @@ def deepinfer_backend_capabilities():
         async_scheduling=True,
         communicators=("in_process",),
         weight_formats=("fp8_block",),  # DeepSeek's FP8 weights stay FP8 in memory (half the bytes to read)
-        # V4_OPS are all supported: Triton kernels but for sparse_attention and indexer_topk, which run as
-        # PyTorch reference code for now, as do V41_OPS (ops.NvidiaOps, ops.NvidiaAttention) but for
-        # expert_row_scales, fused into the grouped expert GEMM (kernels.moe)
+        # V4_OPS are all supported: Triton kernels but for indexer_topk, which runs as PyTorch reference
+        # code for now (sparse_attention too, on caches its kernel cannot read), as do V41_OPS (ops.NvidiaOps,
+        # ops.NvidiaAttention) but for expert_row_scales, fused into the grouped expert GEMM (kernels.moe)
         unsupported=(("v4_batch_invariance", _V4_BATCH_INVARIANCE),),
     )
 
