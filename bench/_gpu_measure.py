@@ -215,6 +215,12 @@ def prefill_bound(cfg: DeepseekConfig, sizes: dict, prompts: int, length: int, f
         * (length + 1)
         / 2
     )
+    return prefill_bound_record(tokens, dense, attention, sizes, flops_s, bw)
+
+
+def prefill_bound_record(tokens: int, dense: float, attention: float, sizes: dict, flops_s: float, bw: float) -> dict:
+    """A prefill's bound: its flops (dense + attention) over the GEMM peak, or every weight read once (the
+    sizes of `model_sizes`) over the copy bandwidth, whichever is longer."""
     all_weight_bytes = sizes["other_bytes"] + sizes["lm_head_bytes"] + sizes["bytes"]["routed_experts"]
     compute_s, memory_s = (dense + attention) / flops_s, all_weight_bytes / bw
     return {

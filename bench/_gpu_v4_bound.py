@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 
 import torch
-from _gpu_measure import token_match
+from _gpu_measure import prefill_bound_record, token_match
 
 from deepinfer_core.kv.caches import block_bytes, sequence_bytes
 from deepinfer_core.kv.layout import CacheKind, CacheSpec
@@ -182,17 +182,7 @@ def prefill_bound(family, cfg, sizes: dict, specs, prompts: int, length: int, pe
     tokens, head = prompts * length, sizes["lm_head_params"]
     dense = 2 * (sizes["active_params_per_token"] - head) * tokens + 2 * head * prompts
     attention = prompts * sum(attention_flops(cfg, cache_reads(family, cfg, specs, t)) for t in range(1, length + 1))
-    all_weights = sizes["other_bytes"] + sizes["lm_head_bytes"] + sizes["bytes"]["routed_experts"]
-    compute_s, memory_s = (dense + attention) / peak, all_weights / bw
-    return {
-        "tokens": tokens,
-        "flops": dense + attention,
-        "attention_flops": attention,
-        "compute_bound_ms": 1e3 * compute_s,
-        "memory_bound_ms": 1e3 * memory_s,
-        "bound_ms": 1e3 * max(compute_s, memory_s),
-        "bound_tokens_per_s": tokens / max(compute_s, memory_s),
-    }
+    return prefill_bound_record(tokens, dense, attention, sizes, peak, bw)
 
 
 # ---- report -------------------------------------------------------------------------------------
