@@ -25,15 +25,15 @@ from deepinfer_core.backend.extensions import LogitsProcessor, Observer, Request
 from deepinfer_core.backend.resolve import ResolvedBackend
 from deepinfer_core.engine.block_manager import BlockManager, PrefixReplay, check_prefix_replay, prefix_replay_tokens
 from deepinfer_core.engine.limits import at_least_one, context_length
+from deepinfer_core.engine.memory import blocks_for_memory
 from deepinfer_core.engine.pending import HostPromptLogprobs, LaunchedStep
 from deepinfer_core.engine.request import Delta, Logprob, Request, RequestGroup, RequestOutput
 from deepinfer_core.engine.runner import ModelRunner
 from deepinfer_core.engine.scheduler import Scheduler, SchedulerConfig
-from deepinfer_core.engine.snapshots import PendingSnapshot, WindowSnapshots, first_needed
+from deepinfer_core.engine.snapshots import WindowSnapshots, first_needed
 from deepinfer_core.engine.stops import find_stop, held_back
 from deepinfer_core.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from deepinfer_core.errors import DeepInferError
-from deepinfer_core.kv.caches import block_bytes, sequence_bytes
 from deepinfer_core.sampling.params import SamplingParams
 
 __all__ = ["Engine", "EngineConfig", "RequestError"]
@@ -83,7 +83,13 @@ class Engine:
         self.model, self.backend, self.tokenizer, self.config = model, backend, tokenizer, config
         self.max_model_len = context_length(config.max_model_len, model.config.max_position_embeddings)
         block_size = backend.kv_layout.block_size
-        num_blocks = config.num_kv_blocks or self._blocks_for_memory(config.kv_cache_memory_bytes, block_size)
+        num_blocks = config.num_kv_blocks or blocks_for_memory(
+            model.cache_specs,
+            block_size,
+            config.kv_cache_memory_bytes,
+            num_seqs=config.scheduler.max_num_seqs,
+            max_model_len=self.max_model_len,
+        )
         self.runner = ModelRunner(
             model,
             backend,
@@ -99,6 +105,7 @@ class Engine:
             self.runner.caches,
             backend.torch_device,
             config.window_snapshot_bytes if config.enable_prefix_caching else 0,
+            block_size,
         )
         self.blocks = BlockManager(
             num_blocks,
@@ -109,14 +116,7 @@ class Engine:
             snapshots=snapshots,
         )
         self.snapshots = self.blocks.snapshots  # None: the model has no per-sequence caches, or no budget
-        if self.snapshots is not None:
-            log.info(
-                "window snapshots: %.2f MiB each, up to %.1f GiB of host memory (--window-snapshot-gb)",
-                self.snapshots.snapshot_bytes / 2**20,
-                self.snapshots.budget_bytes / 2**30,
-            )
-        elif snapshots.units and config.enable_prefix_caching:
-            log.info("window snapshots off: a prefix hit replays %d tokens", self.blocks.replay_tokens)
+        snapshots.log_start(self.blocks.replay_tokens if config.enable_prefix_caching else None)
         self.runner.snapshot_boundaries = self.snapshots is not None
         self.scheduler = Scheduler(config.scheduler, self.blocks, backend.cost_model)
         self.observers = list(observers)
@@ -135,27 +135,6 @@ class Engine:
         if self.async_scheduling and self.runner.logits_processors:  # they read output tokens on the host
             log.info("logits processors are loaded: the engine schedules synchronously")
             self.async_scheduling = False
-
-    def _blocks_for_memory(self, memory_bytes: int, block_size: int) -> int:
-        """Blocks that fit in `memory_bytes` once every sequence slot's per-sequence caches are set aside.
-
-        A model without paged caches (a DeepSeek-V4 whose layers are all sliding-window) stores nothing per
-        block: its blocks only count tokens, and it gets enough for every sequence slot to reach max_model_len.
-        """
-        specs, seqs = self.model.cache_specs, self.config.scheduler.max_num_seqs
-        per_sequence = sequence_bytes(specs) * seqs
-        per_block = block_bytes(specs, block_size)
-        if per_block == 0:
-            blocks = seqs * -(-self.max_model_len // block_size) if per_sequence <= memory_bytes else 0
-        else:
-            blocks = (memory_bytes - per_sequence) // per_block
-        if blocks < 1:
-            raise DeepInferError(
-                f"the KV cache budget of {memory_bytes / 2**20:.0f} MiB does not fit the per-sequence caches of "
-                f"{seqs} sequences ({per_sequence / 2**20:.0f} MiB) plus one block: raise kv_cache_memory_bytes "
-                "or lower max_num_seqs"
-            )
-        return blocks
 
     # ---- requests -------------------------------------------------------------------------------
 
@@ -267,7 +246,7 @@ class Engine:
             request.num_computed_tokens += count
             self.blocks.cache_full_blocks(request)  # blocks whose tokens are all known on the host
             if self.snapshots is not None:
-                self._snapshot(request, first)
+                self.snapshots.after_step(request, first)
             if request.num_computed_tokens >= len(request.prompt_token_ids):
                 self._release_samples(request)
         for request in launched.sampled:
@@ -275,30 +254,6 @@ class Engine:
         for chunk in launched.output.prompt_logprobs:
             chunk.request.num_prompt_logprobs = chunk.first + chunk.logprobs.logprobs.shape[0] - 1
         return launched
-
-    def _snapshot(self, request: Request, needed: int) -> None:
-        """Snapshot the request's windows if the step just issued left it at a block boundary where every
-        layer computed them (not below `needed`, the step's first needed position: below it a model may
-        have skipped late layers). Kept under the block's hash, or pending until that hash is known."""
-        end, size = request.num_computed_tokens, self.blocks.block_size
-        if request.finished:
-            return
-        if end == 0 or end % size or end < needed:
-            self._keep_pending_snapshot(request)
-            return
-        index = end // size - 1
-        if index < len(request.block_hashes) and request.block_hashes[index] in self.snapshots:
-            return  # the same prefix's windows are kept already
-        snapshot = self.snapshots.capture(request.seq_slot, request.window_start)
-        request.pending_snapshot = PendingSnapshot(index, snapshot)
-        self._keep_pending_snapshot(request)
-
-    def _keep_pending_snapshot(self, request: Request) -> None:
-        """Store the request's pending snapshot once the hash of its block is known."""
-        pending = request.pending_snapshot
-        if pending is not None and pending.block_index < len(request.block_hashes):
-            self.snapshots.put(request.block_hashes[pending.block_index], pending.snapshot)
-            request.pending_snapshot = None
 
     def _release_samples(self, request: Request) -> None:
         """The request's prompt is computed and its full blocks cached: its held samples may run now."""
@@ -330,7 +285,7 @@ class Engine:
             else:  # the block this token completes, if the next step already computed it
                 self.blocks.cache_full_blocks(request)
                 if self.snapshots is not None:
-                    self._keep_pending_snapshot(request)
+                    self.snapshots.keep_pending(request)
             changed.setdefault(self._requests[request.request_id], {})[request.index] = (new_text, (token,))
         outputs = []
         for group, deltas in changed.items():

@@ -1,5 +1,5 @@
 """The KV-cache budget from `gpu_memory_utilization` (vLLM's meaning): the share of the device's memory this
-engine may use for weights and KV cache, less what the loaded weights take."""
+engine may use for weights and KV cache, less what the loaded weights take; and the blocks a budget holds."""
 
 from __future__ import annotations
 
@@ -8,8 +8,9 @@ import torch
 from deepinfer_core.backend.resolve import ResolvedBackend
 from deepinfer_core.backend.types import DeviceFacts
 from deepinfer_core.errors import DeepInferError
+from deepinfer_core.kv.caches import LayerSpecs, block_bytes, sequence_bytes
 
-__all__ = ["check_utilization", "kv_budget_from_utilization", "model_bytes"]
+__all__ = ["blocks_for_memory", "check_utilization", "kv_budget_from_utilization", "model_bytes"]
 
 _GIB = 1 << 30
 _LEAVES = (str, bytes, int, float, bool, complex, type(None), type)
@@ -71,3 +72,27 @@ def kv_budget_from_utilization(fraction: float, device: DeviceFacts, weights: in
             "leaving nothing for the KV cache; raise gpu_memory_utilization"
         )
     return budget
+
+
+def blocks_for_memory(
+    specs: LayerSpecs, block_size: int, memory_bytes: int, *, num_seqs: int, max_model_len: int
+) -> int:
+    """Blocks that fit in `memory_bytes` once every one of `num_seqs` sequence slots' per-sequence caches is
+    set aside.
+
+    A model without paged caches (a DeepSeek-V4 whose layers are all sliding-window) stores nothing per
+    block: its blocks only count tokens, and it gets enough for every sequence slot to reach max_model_len.
+    """
+    per_sequence = sequence_bytes(specs) * num_seqs
+    per_block = block_bytes(specs, block_size)
+    if per_block == 0:
+        blocks = num_seqs * -(-max_model_len // block_size) if per_sequence <= memory_bytes else 0
+    else:
+        blocks = (memory_bytes - per_sequence) // per_block
+    if blocks < 1:
+        raise DeepInferError(
+            f"the KV cache budget of {memory_bytes / 2**20:.0f} MiB does not fit the per-sequence caches of "
+            f"{num_seqs} sequences ({per_sequence / 2**20:.0f} MiB) plus one block: raise kv_cache_memory_bytes "
+            "or lower max_num_seqs"
+        )
+    return blocks

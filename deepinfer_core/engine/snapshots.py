@@ -14,6 +14,7 @@ need no synchronisation; the host waits for one only when a hit wants it.
 
 from __future__ import annotations
 
+import logging
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -32,6 +33,8 @@ __all__ = [
     "per_sequence_caches",
     "snapshot_boundary",
 ]
+
+log = logging.getLogger(__name__)
 
 _PER_SEQUENCE = (CacheKind.SLIDING_WINDOW, CacheKind.SEQUENCE_STATE)
 
@@ -94,8 +97,10 @@ class WindowSnapshots:
         caches: list[dict[str, torch.Tensor]],
         device: torch.device,
         budget_bytes: int,
+        block_size: int,
     ) -> None:
         self.layout, self.caches, self.device, self.budget_bytes = layout, caches, device, budget_bytes
+        self.block_size = block_size
         self.units = per_sequence_caches(specs)
         self._store: OrderedDict[bytes, WindowSnapshot] = OrderedDict()  # least recently used first
         self.nbytes = 0
@@ -114,6 +119,41 @@ class WindowSnapshots:
             _unit_slots(spec, 0).numel() * torch.Size(spec.entry_shape).numel() * spec.dtype.itemsize
             for _, _, spec in self.units
         )
+
+    def log_start(self, replay_tokens: int | None) -> None:
+        """Say at start-up what a snapshot costs and what it may use, or, for a model that has per-sequence
+        caches but no snapshots, what a hit replays (`replay_tokens`; None: prefix caching is off)."""
+        if self.enabled:
+            log.info(
+                "window snapshots: %.2f MiB each, up to %.1f GiB of host memory (--window-snapshot-gb)",
+                self.snapshot_bytes / 2**20,
+                self.budget_bytes / 2**30,
+            )
+        elif self.units and replay_tokens is not None:
+            log.info("window snapshots off: a prefix hit replays %d tokens", replay_tokens)
+
+    def after_step(self, request: Request, needed: int) -> None:
+        """Snapshot the request's caches if the step just issued left it at a block boundary where every
+        layer computed them (not below `needed`, the step's first needed position: below it a model may have
+        skipped late layers). Kept under the block's hash, or pending until that hash is known."""
+        end, size = request.num_computed_tokens, self.block_size
+        if request.finished:
+            return
+        if end == 0 or end % size or end < needed:
+            self.keep_pending(request)
+            return
+        index = end // size - 1
+        if index < len(request.block_hashes) and request.block_hashes[index] in self:
+            return  # the same prefix's windows are kept already
+        request.pending_snapshot = PendingSnapshot(index, self.capture(request.seq_slot, request.window_start))
+        self.keep_pending(request)
+
+    def keep_pending(self, request: Request) -> None:
+        """Store the request's pending snapshot once the hash of its block is known."""
+        pending = request.pending_snapshot
+        if pending is not None and pending.block_index < len(request.block_hashes):
+            self.put(request.block_hashes[pending.block_index], pending.snapshot)
+            request.pending_snapshot = None
 
     @property
     def num_snapshots(self) -> int:
