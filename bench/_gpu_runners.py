@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import itertools
 import sys
 import time
 
 import _gpu
 import torch
-from _common import median
-from _gpu_measure import percentile, sync, token_match
+from _common import machine, median, versions
+from _gpu_measure import extra_versions, percentile, sync, token_match
 
 from deepinfer_core.backend.registry import discover
 from deepinfer_core.backend.resolve import resolve_backend
@@ -131,6 +132,25 @@ class Ours:
             "total_ms_per_step": total / steps / 1e3,
             "top": [{**k, "share": k["ms_per_step"] * steps * 1e3 / total} for k in top],
         }
+
+
+def report_header(argv: list[str] | None, dev: dict, entry, backend, dtype: torch.dtype) -> dict:
+    """The fields every gpu_decode report opens with: when, the command, the machine, versions, the backend."""
+    return {
+        "timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "command": " ".join(["python", "bench/gpu_decode.py", *(argv if argv is not None else sys.argv[1:])]),
+        "machine": {**machine(), "device": dev},
+        "versions": {**versions(), **extra_versions()},
+        "backend": None
+        if backend is None
+        else {
+            "name": entry.name,
+            "device": backend.device.name,
+            "dtype": str(dtype).removeprefix("torch."),
+            "block_size": backend.kv_layout.block_size,
+            "capabilities": backend.capabilities.as_dict(),
+        },
+    }
 
 
 def select_device(args, dtype: torch.dtype, what: str):

@@ -8,10 +8,8 @@ ours is measured here: the batch-invariant and FP8-weight models are V3's so far
 
 from __future__ import annotations
 
-import datetime
 import json
 import re
-import sys
 import time
 from pathlib import Path
 
@@ -19,9 +17,17 @@ import _gpu_measure as measure
 import _gpu_v4 as models
 import _gpu_v4_bound as bound
 import torch
-from _common import machine, versions
 from _gpu_report import write_plot
-from _gpu_runners import Ours, engine_config, hf_decode, make_prompts, run_workload, select_device, workload_report
+from _gpu_runners import (
+    Ours,
+    engine_config,
+    hf_decode,
+    make_prompts,
+    report_header,
+    run_workload,
+    select_device,
+    workload_report,
+)
 
 from deepinfer_core.backend.resolve import resolve_backend
 from deepinfer_core.engine.engine import EngineConfig
@@ -86,19 +92,7 @@ def main(args, argv: list[str] | None) -> int:
             "layer_types": list(cfg.layer_types),
             **_schedule(family, cfg),
         },
-        "timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "command": " ".join(["python", "bench/gpu_decode.py", *(argv if argv is not None else sys.argv[1:])]),
-        "machine": {**machine(), "device": dev},
-        "versions": {**versions(), **measure.extra_versions()},
-        "backend": None
-        if backend is None
-        else {
-            "name": entry.name,
-            "device": backend.device.name,
-            "dtype": _name(dtype),
-            "block_size": block,
-            "capabilities": backend.capabilities.as_dict(),
-        },
+        **report_header(argv, dev, entry, backend, dtype),
         "systems": {
             "ours_default": "DeepInfer's engine, default mode" if systems else "not measured (--skip-ours)",
             "hf": "transformers' DeepseekV4ForCausalLM, eager, generate / forward" if hf else f"none: {hf_reason}",

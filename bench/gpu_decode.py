@@ -27,7 +27,6 @@ Run: python bench/gpu_decode.py            (on a GPU; --tiny for a CPU smoke run
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import re
 import sys
@@ -40,7 +39,6 @@ sys.path.insert(0, str(Path(__file__).parent))  # run as a script: bench/ holds 
 import _gpu  # noqa: E402
 import _gpu_measure as measure  # noqa: E402
 import _gpu_v4_run  # noqa: E402
-from _common import machine, versions  # noqa: E402
 from _gpu_report import print_table, summarise, write_plot  # noqa: E402
 from _gpu_runners import (  # noqa: E402
     Ours,
@@ -49,6 +47,7 @@ from _gpu_runners import (  # noqa: E402
     engine_config,
     fp8_agreement_check,
     fp8_backend,
+    report_header,
     run_workload,
     select_device,
     workload_report,
@@ -205,19 +204,7 @@ def main(argv: list[str] | None = None) -> int:
     report_sizes, fp8_sizes = measure.model_sizes(cfg, dtype), measure.model_sizes(cfg, dtype, fp8=True)
     report = {
         "benchmark": "gpu_decode",
-        "timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "command": " ".join(["python", "bench/gpu_decode.py", *(argv if argv is not None else sys.argv[1:])]),
-        "machine": {**machine(), "device": dev},
-        "versions": {**versions(), **measure.extra_versions()},
-        "backend": None
-        if backend is None
-        else {
-            "name": entry.name,
-            "device": backend.device.name,
-            "dtype": str(dtype).removeprefix("torch."),
-            "block_size": backend.kv_layout.block_size,
-            "capabilities": backend.capabilities.as_dict(),
-        },
+        **report_header(argv, dev, entry, backend, dtype),
         "batch_invariant": {"measured": "ours_batch_invariant" in systems, "reason": notes["batch_invariant"]},
         "fp8": {
             "measured": "ours_fp8" in systems,
