@@ -239,14 +239,15 @@ class Engine:
         if not scheduled.requests:
             return None
         in_flight = self._in_flight.tokens() if self._in_flight else None
-        # as the runner computes it for the step: the snapshots below are whole from there on
-        needed = [first_needed(r, self.blocks.block_size, True) for r, _ in scheduled.requests]
+        needed = None  # as the runner computes it for the step: a snapshot is whole from there on
+        if self.snapshots is not None:
+            needed = [first_needed(r, self.blocks.block_size, True) for r, _ in scheduled.requests]
         launched = LaunchedStep(scheduled, self.runner.execute(scheduled.requests, in_flight))
-        for (request, count), first in zip(scheduled.requests, needed):
+        for row, (request, count) in enumerate(scheduled.requests):
             request.num_computed_tokens += count
             self.blocks.cache_full_blocks(request)  # blocks whose tokens are all known on the host
-            if self.snapshots is not None:
-                self.snapshots.after_step(request, first)
+            if needed is not None:
+                self.snapshots.after_step(request, needed[row])
             if request.num_computed_tokens >= len(request.prompt_token_ids):
                 self._release_samples(request)
         for request in launched.sampled:
