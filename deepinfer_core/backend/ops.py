@@ -180,6 +180,9 @@ class AttentionMetadata:
     # [B] int64: the first position whose final hidden state this step or a later one needs (its logits);
     # a model may skip work no needed position depends on. None: every position is needed
     needed_from: torch.Tensor | None = None
+    # the most queries any sequence has in this step, when the caller knows it on the host (vLLM's
+    # max_query_len); 1 marks a decode step, which a model may plan on the device without host reads
+    max_query_len: int | None = None
 
     @property
     def num_seqs(self) -> int:

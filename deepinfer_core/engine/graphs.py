@@ -3,8 +3,10 @@
 A decode step (one new token for each of B sequences) has the same shapes every time for a given B,
 so a backend that can capture device graphs runs it as one replay instead of hundreds of launches.
 `DecodeGraphs` pads B up to the next captured size, copies the step's inputs into static buffers
-(padding rows write and read a scratch cache block that no sequence owns) and replays the graph
-captured for that size, capturing it on first use.
+(padding rows write and read a scratch cache block, and a scratch sequence slot, that no sequence owns)
+and replays the graph captured for that size, capturing it on first use. Models with per-sequence caches
+(DeepSeek-V4's rings and compressor states) get their metadata (sequence slots, window starts, cached
+lengths) through static buffers too, and `max_query_len` 1, which lets them plan the step on the device.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ class DecodeGraphs:
         max_batch: int,
         max_blocks_per_seq: int,
         scratch_block: int,
+        scratch_seq_slot: int,
     ) -> None:
         self.capture, self.model, self.caches = capture, model, list(caches)
         self.sizes = capture_sizes(max_batch)
@@ -56,6 +59,9 @@ class DecodeGraphs:
 
         self._token_ids, self._positions, self._seq_lens = zeros(longest), zeros(longest), zeros(longest)
         self._slots = zeros(longest)
+        self._seq_slots, self._window_starts, self._cached_lens = zeros(longest), zeros(longest), zeros(longest)
+        self._scratch_seq_slot = scratch_seq_slot
+        self._per_sequence: bool | None = None  # whether the steps carry per-sequence metadata (from the first)
         self._block_tables = torch.full((longest, max_blocks_per_seq), -1, dtype=torch.int64, device=device)
         self._query_start_loc = torch.arange(longest + 1, dtype=torch.int64, device=device)  # one query per row
         # what a padding row holds: token 0 at position 0 of the scratch block, attending to itself
@@ -76,21 +82,37 @@ class DecodeGraphs:
         self._seq_lens[:batch].copy_(meta.seq_lens)
         self._slots[:batch].copy_(meta.slot_mapping)
         self._block_tables[:batch, :width].copy_(meta.block_tables)
+        if self._per_sequence is None:
+            self._per_sequence = meta.seq_slots is not None
+        if self._per_sequence:
+            self._seq_slots[:batch].copy_(meta.seq_slots)
+            self._window_starts[:batch].copy_(meta.window_starts)
+            self._cached_lens[:batch].copy_(meta.cached_lens)
         if size > batch:
             self._token_ids[batch:size].zero_()
             self._positions[batch:size].zero_()
             self._seq_lens[batch:size].fill_(1)
             self._slots[batch:size].fill_(self._pad_slot)
             self._block_tables[batch:size].copy_(self._pad_block_row.expand(size - batch, -1))
+            if self._per_sequence:
+                self._seq_slots[batch:size].fill_(self._scratch_seq_slot)
+                self._window_starts[batch:size].zero_()
+                self._cached_lens[batch:size].zero_()
         replay = self._replays.get(size)
         if replay is None:
             replay = self._replays[size] = self.capture.capture(self._step(size))
         return replay()[:batch]
 
     def _step(self, size: int) -> Callable[[], torch.Tensor]:
+        per_sequence = (
+            dict(seq_slots=self._seq_slots[:size], window_starts=self._window_starts[:size],
+                 cached_lens=self._cached_lens[:size])
+            if self._per_sequence else {}
+        )  # fmt: skip
         meta = AttentionMetadata(
-            self._query_start_loc[: size + 1], self._seq_lens[:size], self._block_tables[:size], self._slots[:size]
-        )
+            self._query_start_loc[: size + 1], self._seq_lens[:size], self._block_tables[:size], self._slots[:size],
+            max_query_len=1, **per_sequence,
+        )  # fmt: skip
         token_ids, positions = self._token_ids[:size], self._positions[:size]
 
         def step() -> torch.Tensor:

@@ -81,14 +81,16 @@ class ModelRunner:
         num_seq_slots: int = 64,
     ) -> None:
         """graph_batch_size > 0 replays decode steps of up to that many sequences from device graphs,
-        where the backend can capture them; the caches then get one scratch block for padding rows.
+        where the backend can capture them; the caches then get one scratch block (and sequence slot) for
+        padding rows.
         Per-sequence caches get `num_seq_slots` slots (the scheduler's max_num_seqs)."""
         self.model, self.backend, self.sampler = model, backend, backend.sampler
         self.device = backend.torch_device
         self.block_size = backend.kv_layout.block_size
         use_graphs = backend.graphs is not None and graph_batch_size > 0 and getattr(model, "graph_capture", False)
-        units = num_blocks + 1 if use_graphs else num_blocks  # block `num_blocks`: the padding rows' scratch
-        self.caches = allocate_caches(backend.kv_layout, model.cache_specs, units, num_seq_slots)
+        # graphs: block `num_blocks` and sequence slot `num_seq_slots` are the padding rows' scratch
+        units, seq_units = (num_blocks + 1, num_seq_slots + 1) if use_graphs else (num_blocks, num_seq_slots)
+        self.caches = allocate_caches(backend.kv_layout, model.cache_specs, units, seq_units)
         self.logits_processors = list(logits_processors)
         self.snapshot_boundaries = False  # the engine keeps window snapshots: see snapshots.first_needed
         self.graphs = None
@@ -102,6 +104,7 @@ class ModelRunner:
                 max_batch=graph_batch_size,
                 max_blocks_per_seq=-(-max_model_len // self.block_size),
                 scratch_block=num_blocks,
+                scratch_seq_slot=num_seq_slots,
             )
 
     def prepare(self, scheduled: Sequence[tuple[Request, int]], in_flight: InFlightTokens | None = None) -> StepBatch:
@@ -149,7 +152,7 @@ class ModelRunner:
             tokens[to_device(fill_at, device)] = in_flight.token_ids[to_device(fill_from, device)]
         fields = (starts, seq_lens, block_tables, slots, seq_slots, window_starts, cached_lens, needed_from)
         on_device = [to_device(values, device) for values in fields]
-        meta = AttentionMetadata(*on_device)
+        meta = AttentionMetadata(*on_device, max_query_len=max(b - a for a, b in zip(starts, starts[1:])))
         sampled = [scheduled[row][0] for row in sample_rows]
         last_index = to_device(last, device)
         return StepBatch(

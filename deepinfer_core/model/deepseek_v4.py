@@ -127,7 +127,7 @@ def check_backend(cfg: DeepseekV4Config, backend: ResolvedBackend) -> None:
 class DeepseekV4Model:
     """Holds the weights on the backend's device and runs one step over a ragged batch."""
 
-    graph_capture = False  # per-sequence caches are not wired into device-graph replay yet
+    graph_capture = True  # decode steps are planned on the device (V4Step) and replayed from device graphs
 
     def __init__(self, config: DeepseekV4Config, weights: dict[str, torch.Tensor], backend: ResolvedBackend) -> None:
         check_backend(config, backend)

@@ -1,8 +1,15 @@
 """Index bookkeeping of one DeepSeek-V4 step, shared by every layer: which compressed entries the step
 finishes and where their tokens' projections are, which state rows and ring slots it writes.
 
-Built once per forward from the attention metadata (host lists; a device-side planner is future work).
-A model that skips tokens in some layers (V4.1, v41_skip.py) narrows it to the tokens a layer processes.
+Built once per forward from the attention metadata. A decode step (`meta.max_query_len == 1`: one token
+per sequence) is planned with tensor ops on the device and never reads the host, so it can be captured in
+a device graph; other steps are planned from host copies of the metadata. A model that skips tokens in some
+layers (V4.1, v41_skip.py) narrows a step to the tokens a layer processes.
+
+A decode step's compressor plan has one entry per sequence: the window its token falls in, finished or
+not. An unfinished window's entry is a provisional value in its own cache slot: no query sees an entry
+before its window finishes (visible entries are those below (position + 1) // rate), and the step that
+finishes the window overwrites it. That keeps every shape fixed by the batch size.
 """
 
 from __future__ import annotations
@@ -50,13 +57,33 @@ class V4Step:
         self.meta, self.positions, self.block_size = meta, positions, block_size
         self.seq_slots = meta.seq_slots
         self.device = meta.seq_lens.device
-        if host is None:
-            fields = (meta.query_start_loc, meta.seq_lens, meta.seq_slots, meta.cached_lens, meta.block_tables)
-            host = [t.tolist() for t in fields]
-        self._starts, self._ends, self._slots, self._cached, self._tables = host
-        self.origins = list(range(len(self._ends))) if origins is None else origins
+        self.decode = host is None and meta.max_query_len == 1 and positions.shape[0] == meta.num_seqs
+        self._host_lists = host
+        self._origins = origins
         self._plans: dict[tuple[int, bool], CompressPlan] = {}
         self._rings: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    @property
+    def _host(self) -> list:
+        """query_start_loc, seq_lens, seq_slots, cached_lens and block_tables as host lists (read on first use;
+        a decode step's own plans never use them)."""
+        if self._host_lists is None:
+            meta = self.meta
+            fields = (meta.query_start_loc, meta.seq_lens, meta.seq_slots, meta.cached_lens, meta.block_tables)
+            self._host_lists = [t.tolist() for t in fields]
+        return self._host_lists
+
+    @property
+    def origins(self) -> list[int]:
+        return list(range(self.meta.num_seqs)) if self._origins is None else self._origins
+
+    @property
+    def _starts(self) -> list[int]:
+        return self._host[0]
+
+    @property
+    def _ends(self) -> list[int]:
+        return self._host[1]
 
     def _sequences(self):
         """Per sequence: (index, first token row, first position, end position)."""
@@ -100,7 +127,7 @@ class V4Step:
             cached_lens=meta.cached_lens[index],
             needed_from=None if meta.needed_from is None else meta.needed_from[index],
         )
-        per_sequence = (self._ends, self._slots, self._cached, self._tables)
+        per_sequence = self._host[1:]
         host = [query_start_loc] + [[values[b] for b in seqs] for values in per_sequence]
         origins = [self.origins[b] for b in seqs]
         return V4Step(narrowed, self.positions[rows], self.block_size, host, origins), rows
@@ -115,20 +142,23 @@ class V4Step:
         return self._plans[key]
 
     def _plan(self, rate: int, overlap: bool) -> CompressPlan:
+        if self.decode:
+            return self._decode_plan(rate, overlap)
+        _, _, _, cached, tables = self._host
         span = 2 * rate if overlap else rate
         current = len(self._ends) * span  # first table row of the step's tokens
         per_block = self.block_size // rate
         sources, valid, positions, slots, state = [], [], [], [], []
         for b, row, first, end in self._sequences():
             # windows finishing in this step, less those inside the cached prefix (already in its blocks)
-            for w in range(max(first // rate, -(-self._cached[b] // rate)), end // rate):
+            for w in range(max(first // rate, -(-cached[b] // rate)), end // rate):
                 tokens = range((w - 1) * rate if overlap else w * rate, (w + 1) * rate)
                 sources.append(
                     [current + row + p - first if p >= first else b * span + p % span if p >= 0 else 0 for p in tokens]
                 )
                 valid.append([p >= 0 for p in tokens])
                 positions.append(w * rate)
-                slots.append(self._tables[b][w // per_block] * per_block + w % per_block)
+                slots.append(tables[b][w // per_block] * per_block + w % per_block)
             state += [(b, p % span, row + p - first) for p in range(max(first, end - span), end)]
         state_seqs, state_rows, state_tokens = zip(*state) if state else ((), (), ())
         return CompressPlan(
@@ -142,13 +172,36 @@ class V4Step:
             self._tensor(state_tokens),
         )
 
+    def _decode_plan(self, rate: int, overlap: bool) -> CompressPlan:
+        """The plan of a decode step, on the device: sequence b's token (row b, position p) updates the entry
+        of its window w = p // rate, finished or not (see the module docstring), from the state rows of the
+        window's earlier tokens and its own row; it is the newest token, so its state row is written."""
+        span = 2 * rate if overlap else rate
+        batch, per_block = self.meta.num_seqs, self.block_size // rate
+        b = torch.arange(batch, device=self.device)
+        p = self.positions.to(torch.int64)  # [B]
+        w = p // rate
+        first = (w - 1) * rate if overlap else w * rate
+        tokens = first[:, None] + torch.arange(span, device=self.device)  # [B, span] positions
+        sources = torch.where(tokens == p[:, None], batch * span + b[:, None], b[:, None] * span + tokens % span)
+        valid = (tokens >= 0) & (tokens <= p[:, None])
+        blocks = self.meta.block_tables.gather(1, (w // per_block)[:, None])[:, 0]
+        return CompressPlan(
+            batch, torch.where(valid, sources, 0), valid, w * rate, blocks * per_block + w % per_block, b, p % span, b
+        )
+
     def ring_writes(self, ring_size: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(ring slots, token rows) of the step's tokens that stay in a ring of `ring_size`."""
         if ring_size not in self._rings:
+            if self.decode:  # every token is its sequence's newest
+                rows = torch.arange(self.meta.num_seqs, device=self.device)
+                self._rings[ring_size] = (self.seq_slots * ring_size + self.positions % ring_size, rows)
+                return self._rings[ring_size]
             slots, rows = [], []
+            seq_slots = self._host[2]
             for b, row, first, end in self._sequences():
                 for p in range(max(first, end - ring_size), end):
-                    slots.append(self._slots[b] * ring_size + p % ring_size)
+                    slots.append(seq_slots[b] * ring_size + p % ring_size)
                     rows.append(row + p - first)
             self._rings[ring_size] = (self._tensor(slots), self._tensor(rows))
         return self._rings[ring_size]

@@ -16,6 +16,7 @@ from deepinfer_core.backend.resolve import resolve_backend
 from deepinfer_core.backend.selection import select_backend
 from deepinfer_core.engine.graphs import capture_sizes
 from deepinfer_core.engine.llm import LLM
+from deepinfer_core.kv.layout import ring_slots
 from deepinfer_core.sampling.params import SamplingParams
 
 
@@ -74,3 +75,35 @@ def test_padding_rows_write_the_scratch_block(tiny_checkpoint):
     scratch_slot = torch.tensor([llm.engine.blocks.num_blocks * runner.block_size])  # first slot of the scratch block
     written = [layout.gather(cache["kv"], llm.model.cache_spec, scratch_slot) for cache in runner.caches]
     assert all(bool(entry.abs().sum() > 0) for entry in written), "padding rows did not write the scratch block"
+
+
+def _run_v4(checkpoint, graphs, graph_batch_size: int):
+    backend = resolve_backend(select_backend(discover(), "rowwise_cpu"), dtype=torch.float32, block_size=16)
+    backend = dataclasses.replace(backend, graphs=graphs)
+    llm = LLM(model=checkpoint, backend=backend, num_kv_blocks=40, graph_batch_size=graph_batch_size, progress=False)
+    prompts = [torch.randint(2, 256, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (5, 30, 9)]
+    params = [  # 30 + 20 tokens: windows of rates 4 and 8 finish during decode, every ring wraps
+        SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, logprobs=5),
+        SamplingParams(temperature=0.8, seed=3, max_tokens=7, ignore_eos=True, logprobs=5),  # leaves early
+        SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, logprobs=5),
+    ]
+    outputs = llm.generate(prompts, params)
+    return [(o.outputs[0].token_ids, o.outputs[0].token_logprobs, o.outputs[0].top_logprobs) for o in outputs], llm
+
+
+def test_deepseek_v4_decode_steps_replay_with_padded_sequence_slots(hf_v4_checkpoint):
+    """V4's per-sequence caches: padding rows use the scratch sequence slot, and a decode step planned on the
+    device (unfinished windows' provisional entries included) gives the eager steps' tokens and logprobs."""
+    checkpoint = hf_v4_checkpoint("a").path
+    eager, _ = _run_v4(checkpoint, None, 0)
+    capture = ReplayByCalling()
+    replayed, llm = _run_v4(checkpoint, capture, 8)
+    assert capture.replays > 10, "decode steps did not go through the graphs"
+    assert replayed == eager
+    runner, spec = llm.engine.runner, llm.model.layers[0][2].window_spec
+    scratch = runner.graphs._scratch_seq_slot  # past the scheduler's slots, which the eager run also had
+    assert scratch == llm.engine.blocks.num_seq_slots
+    entries = llm.backend.kv_layout.gather(
+        runner.caches[0]["window"], spec, ring_slots(scratch, torch.arange(spec.ring_size), spec.ring_size)
+    )
+    assert bool(entries.abs().sum() > 0), "padding rows did not write the scratch sequence slot"

@@ -68,3 +68,45 @@ def test_keeping_everything_is_the_same_step_and_keeping_nothing_an_empty_one():
     assert step.suffix([0, 0, 30]) == (step, None)
     empty, rows = step.suffix([20, 5, 38])
     assert empty.num_tokens == 0 and rows.numel() == 0 and empty.meta.num_seqs == 0
+
+
+def _decode_meta(max_query_len: int | None) -> tuple[AttentionMetadata, torch.Tensor]:
+    """Four sequences, one token each, at positions 7, 12, 0, 35 (the first and last finish a window of 4
+    and of 8; 12 starts one; 0 is a sequence's first token)."""
+    positions = torch.tensor([7, 12, 0, 35])
+    meta = AttentionMetadata(
+        query_start_loc=torch.arange(5),
+        seq_lens=positions + 1,
+        block_tables=torch.tensor([[3, -1, -1, -1, -1], [4, 5, -1, -1, -1], [6, -1, -1, -1, -1], [7, 8, 9, 10, 11]]),
+        slot_mapping=torch.arange(4),
+        seq_slots=torch.tensor([2, 0, 3, 1]),
+        window_starts=torch.zeros(4, dtype=torch.int64),
+        cached_lens=torch.tensor([0, 8, 0, 0]),
+        max_query_len=max_query_len,
+    )
+    return meta, positions
+
+
+def test_a_decode_step_is_planned_on_the_device_as_the_host_plans_the_windows_it_finishes():
+    """max_query_len 1: every sequence's window gets an entry (finished or not) and no host list is read;
+    the finished windows' entries, the state writes and the ring writes are the host plan's."""
+    device_step, host_step = (V4Step(*_decode_meta(n), BLOCK) for n in (1, None))
+    assert device_step.decode and not host_step.decode
+    for ring in (4, 16):
+        assert all(torch.equal(a, b) for a, b in zip(device_step.ring_writes(ring), host_step.ring_writes(ring)))
+    for rate, overlap in ((4, True), (4, False), (8, False), (1, False), (2, True)):
+        mine, theirs = device_step.compress_plan(rate, overlap), host_step.compress_plan(rate, overlap)
+        assert mine.num_entries == 4
+        finished = ((torch.tensor([7, 12, 0, 35]) + 1) % rate == 0).nonzero()[:, 0]
+        assert theirs.num_entries == len(finished), (rate, overlap)
+        for field in ("positions", "slots"):
+            assert torch.equal(getattr(mine, field)[finished], getattr(theirs, field)), (rate, overlap, field)
+        assert torch.equal(mine.valid[finished], theirs.valid), (rate, overlap)
+        assert torch.equal(mine.sources[finished][theirs.valid], theirs.sources[theirs.valid]), (rate, overlap)
+        want = sorted(zip(theirs.state_seqs.tolist(), theirs.state_rows.tolist(), theirs.state_tokens.tolist()))
+        got = sorted(zip(mine.state_seqs.tolist(), mine.state_rows.tolist(), mine.state_tokens.tolist()))
+        assert got == want, (rate, overlap)
+        # an unfinished window's entry sits in its own slot (the window of its token), invisible until it ends
+        window = torch.tensor([7, 12, 0, 35]) // rate
+        assert torch.equal(mine.positions, window * rate)
+    assert device_step._host_lists is None, "a decode step read the metadata on the host"
