@@ -113,8 +113,6 @@ class DeepseekV41Model:
     """Holds the weights on the backend's device (the engram tables where `engram_placement` puts them: one of
     v41_engram.ENGRAM_PLACEMENTS) and runs one step over a ragged batch."""
 
-    graph_capture = False  # per-sequence caches are not wired into device-graph replay yet
-
     def __init__(
         self,
         config: DeepseekV41Config,
@@ -145,6 +143,9 @@ class DeepseekV41Model:
                 raise UnsupportedModelError("DeepSeek-V4.1's engram layers need the tokenizer's compressed vocabulary")
             self.hasher = NgramHasher(backend, config, token_map)
             self.engram_tables = EngramTables.place([weights[n] for n in table_names], engram_placement, backend)
+        # decode steps are planned on the device (V4Step) and replayed from device graphs, unless the engram
+        # tables are in host memory (their rows are gathered on the host, after the step's hashes are read)
+        self.graph_capture = self.engram_tables is None or not self.engram_tables.on_host
         self.layers = []
         attentions: dict[int, V41Attention] = {}
         for i, plan in enumerate(config.layers):

@@ -98,6 +98,8 @@ class NgramHasher:
         before the state was written: a prefix hit's replay, whose first tokens the replay length covers),
         and the state writes (state entry, token row) that keep each sequence's last `lookback` ids."""
         span, sources, writes = self.lookback, [], []
+        if step.decode:
+            return self._decode_lookback_sources(step)
         current = len(step._ends) * span
         written = step.meta.window_starts.tolist()  # state entries of earlier positions are stale
         for b, row, first, end in step._sequences():
@@ -114,6 +116,17 @@ class NgramHasher:
             torch.tensor(sources, dtype=torch.int64, device=device).view(-1, span + 1),
             torch.tensor([entries, rows], dtype=torch.int64, device=device).view(2, -1),
         )
+
+    def _decode_lookback_sources(self, step: V4Step) -> tuple[torch.Tensor, torch.Tensor]:
+        """The same for a decode step (row b: sequence b's newest token), on the device."""
+        span, batch = self.lookback, step.meta.num_seqs
+        b = torch.arange(batch, device=step.device)[:, None]
+        p = step.positions.to(torch.int64)[:, None]
+        q = p - torch.arange(span + 1, device=step.device)  # [B, span + 1]
+        since = step.meta.window_starts[:, None].clamp_min(0)
+        sources = torch.where(q >= since, b * span + q % span, -1)
+        sources[:, 0] = batch * span + b[:, 0]
+        return sources, torch.cat([b * span + p % span, b], dim=1).T
 
     def __call__(self, token_ids: torch.Tensor, step: V4Step, state: torch.Tensor) -> torch.Tensor:
         compressed = self.token_map[token_ids]  # [T]

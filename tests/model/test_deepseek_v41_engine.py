@@ -8,6 +8,7 @@ the rounding, is test_deepseek_v41_parity.py's."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -90,3 +91,27 @@ def test_preemption_gives_the_same_tokens_and_logprobs(checkpoints, case):
     assert sum(step.num_preempted for step in steps) > 0
     for mine, theirs in zip(got, want):
         _assert_same(mine.outputs[0], theirs.outputs[0])
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_decode_steps_replayed_from_graphs_match_eager_steps(checkpoints, case):
+    """Decode steps planned on the device (provisional group entries, the engram look-back from the state) and
+    replayed with padding rows give the eager steps' tokens and logprobs, on the batch-invariant CPU backend."""
+    from deepinfer_core.backend.registry import discover
+    from deepinfer_core.backend.resolve import resolve_backend
+    from deepinfer_core.backend.selection import select_backend
+    from tests.engine.test_decode_graphs import ReplayByCalling
+
+    def run(graphs, graph_batch_size: int):
+        backend = resolve_backend(select_backend(discover(), "rowwise_cpu"), dtype=torch.float32, block_size=BLOCK)
+        backend = dataclasses.replace(backend, graphs=graphs)
+        llm = LLM(model=str(checkpoints[case]), backend=backend, num_kv_blocks=64, progress=False,
+                  graph_batch_size=graph_batch_size)  # fmt: skip
+        params = [GREEDY, dataclasses.replace(GREEDY, max_tokens=20)]
+        outputs = llm.generate(_prompts(21, [9, 30, 17]), [params[0], params[1], params[1]])
+        return [(list(o.outputs[0].token_ids), o.outputs[0].token_logprobs) for o in outputs]
+
+    capture = ReplayByCalling()
+    replayed = run(capture, 8)
+    assert capture.replays > 10, "decode steps did not go through the graphs"
+    assert replayed == run(None, 0)

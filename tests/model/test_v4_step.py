@@ -110,3 +110,21 @@ def test_a_decode_step_is_planned_on_the_device_as_the_host_plans_the_windows_it
         window = torch.tensor([7, 12, 0, 35]) // rate
         assert torch.equal(mine.positions, window * rate)
     assert device_step._host_lists is None, "a decode step read the metadata on the host"
+
+
+def test_the_engram_look_back_of_a_decode_step_is_the_host_plans():
+    """NgramHasher's look-back sources and state writes, planned on the device for a decode step, equal the
+    host plan's, including the stale state entries before a sequence's window start (source -1)."""
+    from deepinfer_core.model.v41_engram import NgramHasher
+
+    hasher = NgramHasher.__new__(NgramHasher)  # the plan needs only the look-back length
+    hasher.lookback = 3
+    metas = [_decode_meta(n) for n in (1, None)]
+    for meta, _ in metas:
+        meta.window_starts.copy_(torch.tensor([6, 0, 0, 34]))  # 6 and 34: shifts past them are stale
+    device_step, host_step = (V4Step(meta, positions, BLOCK) for meta, positions in metas)
+    got, want = hasher._lookback_sources(device_step), hasher._lookback_sources(host_step)
+    assert torch.equal(got[0], want[0])
+    assert sorted(map(tuple, got[1].T.tolist())) == sorted(map(tuple, want[1].T.tolist()))
+    assert (got[0] == -1).any(), "no stale or pre-start look-back in the case"
+    assert device_step._host_lists is None
