@@ -7,10 +7,10 @@ DeepSeek-V4's op features on those fast paths are Triton too: the swiglu limit (
 kernel); hc_pre (after torch's rms and mixing GEMM: the weights, Sinkhorn and the collapse in one kernel),
 hc_post and softmax_pool are kernels (kernels.hyper), and so is V4's sparse_attention
 (kernels.sparse_attention: one program per query token, no host reads, rows independent of the batch).
-indexer_topk is for now the reference backend's PyTorch code run on the GPU tensors: a correctness-first
-path, not a kernel (a loop over the sequences with host reads of the metadata, results that may depend on
-the batch). DeepSeek-V4.1's ops (V41_OPS) are the reference's PyTorch code on the GPU too, for now, but for
-the op feature expert_row_scales (`expert_ffn(row_scales=)`), fused into the grouped expert GEMM's epilogue.
+So is the lightning indexer, V4's indexer_topk and V4.1's indexer_select (kernels.indexer: a scores kernel,
+then the top-k by torch ops on the device, no host reads). V4.1's other ops (V41_OPS) are the reference's
+PyTorch code on the GPU for now, but for the op feature expert_row_scales (`expert_ffn(row_scales=)`),
+fused into the grouped expert GEMM's epilogue.
 
 Imported only after the backend is selected (it imports triton).
 """
@@ -25,7 +25,7 @@ from deepinfer_core.kv.layout import CacheSpec, KVLayout
 from deepinfer_core.reference.attention import ReferenceAttention
 from deepinfer_core.reference.kv import ReferenceKVLayout
 from deepinfer_core.reference.ops import ReferenceOps
-from deepinfer_nvidia_sm100.kernels import attention, elementwise, gemm, hyper, moe, routing, sparse_attention
+from deepinfer_nvidia_sm100.kernels import attention, elementwise, gemm, hyper, indexer, moe, routing, sparse_attention
 
 __all__ = ["NvidiaAttention", "NvidiaOps"]
 
@@ -142,13 +142,12 @@ class NvidiaOps:
 
 
 class NvidiaAttention:
-    """Implements AttentionOps (a Triton kernel) and V4AttentionOps over the row-per-slot caches of
-    `ReferenceKVLayout` (paged, compressed paged, sliding-window rings).
+    """Implements AttentionOps (a Triton kernel), V4AttentionOps and V41AttentionOps over the row-per-slot
+    caches of `ReferenceKVLayout` (paged, compressed paged, sliding-window rings).
 
-    sparse_attention is a Triton kernel (with a reference fallback, see the method). indexer_topk and
-    indexer_select are the reference's PyTorch code on the GPU tensors for now: a loop over the sequences
-    with host reads of the metadata (so not capturable in a device graph; V4 decode steps are not
-    captured), each sequence's work shaped by its query count (so not batch-invariant).
+    sparse_attention, indexer_topk and indexer_select are Triton kernels (the indexers' top-k by torch ops
+    after their scores kernel), with no host reads; each falls back to the reference's PyTorch code on caches
+    its kernel cannot read (see the methods).
     """
 
     def __init__(self, layout: KVLayout) -> None:
@@ -194,6 +193,16 @@ class NvidiaAttention:
             and all(c.dtype == q.dtype and s.num_heads == 1 and c.shape[1:] == (1, q.shape[-1]) for c, s in caches)
         )
 
+    def _indexer_reads(self, q, keys, keys_spec) -> bool:
+        """Whether the indexer's scores kernel can read these tensors (see indexer_topk)."""
+        return (
+            isinstance(self.layout, ReferenceKVLayout)
+            and q.dtype in (torch.float32, torch.bfloat16, torch.float16)
+            and keys.dtype == q.dtype
+            and keys_spec.num_heads == 1
+            and keys.shape[1:] == (1, q.shape[-1])
+        )
+
     def indexer_topk(
         self,
         q: torch.Tensor,
@@ -205,13 +214,25 @@ class NvidiaAttention:
         top_k: int,
         scale: float,
     ) -> torch.Tensor:
-        """PyTorch reference code (not a kernel)."""
+        """The scores kernel and a top-k on the device (kernels.indexer) where the kernel reads the keys:
+        ReferenceKVLayout's row-per-slot tensor, one head, q and keys of one float32 / bfloat16 / float16
+        dtype. Anything else falls back to the reference's PyTorch code. Both choose the same entries, in
+        the same order, from the same scores (which may differ by rounding)."""
+        if self._indexer_reads(q, keys, keys_spec):
+            return indexer.indexer_topk(q, weights, keys, keys_spec, meta, self.block_size, top_k=top_k, scale=scale)
         return self._torch.indexer_topk(q, weights, keys, keys_spec, meta, top_k=top_k, scale=scale)
 
     def indexer_select(
         self, q, weights, keys, keys_spec, meta, *, top_k, scale, within=None, block_size=1, top_blocks=0
     ):
-        """PyTorch reference code (not a kernel): DeepSeek-V4.1's indexer."""
+        """DeepSeek-V4.1's indexer; `block_size` is the candidate blocks' size in entries (not the KV cache's).
+        The scores kernel and top-k's on the device (kernels.indexer) where the kernel reads the keys (as
+        indexer_topk), else the reference's PyTorch code."""
+        if self._indexer_reads(q, keys, keys_spec):
+            return indexer.indexer_select(
+                q, weights, keys, keys_spec, meta, self.block_size, top_k=top_k, scale=scale,
+                within=within, candidate_block=block_size, top_blocks=top_blocks,
+            )  # fmt: skip
         return self._torch.indexer_select(
             q, weights, keys, keys_spec, meta, top_k=top_k, scale=scale,
             within=within, block_size=block_size, top_blocks=top_blocks,

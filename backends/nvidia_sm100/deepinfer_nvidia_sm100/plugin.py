@@ -20,10 +20,9 @@ MIN_COMPUTE_CAPABILITY = (9, 0)  # SM90 (Hopper); SM100-only paths are gated sep
 
 # Not an op: a caveat of the batch-invariant mode, reported beside the unsupported ops (nothing asks for it).
 _V4_BATCH_INVARIANCE = (
-    "DeepSeek-V4's indexer_topk (and DeepSeek-V4.1's ops) run as the reference's PyTorch code on the GPU "
-    "(correctness first, no kernels yet), and hc_pre normalises with torch ops: per-sequence "
-    "loops and torch reductions whose results may depend on the batch and the prefill chunking, so "
-    "batch-invariant mode covers DeepSeek V2/V3 models only"
+    "DeepSeek-V4's hc_pre normalises with torch ops, and DeepSeek-V4.1's hyper-connection and engram ops "
+    "run as the reference's PyTorch code on the GPU: torch reductions whose results may depend on the "
+    "batch and the prefill chunking, so batch-invariant mode covers DeepSeek V2/V3 models only"
 )
 
 
@@ -51,9 +50,10 @@ def deepinfer_backend_capabilities():
         async_scheduling=True,
         communicators=("in_process",),
         weight_formats=("fp8_block",),  # DeepSeek's FP8 weights stay FP8 in memory (half the bytes to read)
-        # V4_OPS are all supported: Triton kernels but for indexer_topk, which runs as PyTorch reference
-        # code for now (sparse_attention too, on caches its kernel cannot read), as do V41_OPS (ops.NvidiaOps,
-        # ops.NvidiaAttention) but for expert_row_scales, fused into the grouped expert GEMM (kernels.moe)
+        # V4_OPS are all supported by Triton kernels (sparse_attention and the indexers fall back to PyTorch
+        # reference code on caches their kernels cannot read); V41_OPS's hyper-connection, rounding and engram
+        # ops run as PyTorch reference code (ops.NvidiaOps), expert_row_scales is fused into the grouped expert
+        # GEMM (kernels.moe), indexer_select is the indexer kernel (kernels.indexer)
         unsupported=(("v4_batch_invariance", _V4_BATCH_INVARIANCE),),
     )
 

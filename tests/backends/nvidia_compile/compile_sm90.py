@@ -56,6 +56,33 @@ def compile_instead(self: JITFunction, *args, grid, warmup, **kwargs):
     compiled.append(f"{self.__name__} {sorted(constexprs.items())}")
 
 
+def launch_v4_attention(dtype: torch.dtype) -> None:
+    """DeepSeek-V4 Flash's attention layers: 64 heads of 512 over a ring of 128 + 6 and blocks of 128 tokens, the
+    window alone, CSA (rate 4, the entries its indexer of 64 heads of 128 picks, top 512) and HCA (rate 128)."""
+    from deepinfer_core.backend.ops import AttentionMetadata
+    from deepinfer_core.kv.layout import CacheKind, CacheSpec
+    from deepinfer_nvidia_sm100.kernels import indexer, sparse_attention
+
+    tables, seq_slots, window_starts = torch.tensor([[5, 1, 2], [0, 4, -1]]), torch.tensor([1, 0]), torch.zeros(2)
+    meta = AttentionMetadata(torch.tensor([0, 3, 4]), torch.tensor([300, 70]), tables, torch.arange(4),
+                             seq_slots=seq_slots, window_starts=window_starts.long())  # fmt: skip
+    ring_spec = CacheSpec(CacheKind.SLIDING_WINDOW, dtype, 1, 512, window=128, rollback_slots=6)
+    ring, kv = torch.zeros(2 * ring_spec.ring_size, 1, 512, dtype=dtype), torch.randn(4, 512).to(dtype)
+    q, sinks = torch.randn(4, 64, 512).to(dtype), torch.zeros(64)
+    sparse_attention.sparse_attention(q, kv, ring, ring_spec, meta, 128, sinks=sinks, scale=0.04)
+    for rate, indices in ((4, torch.randint(-1, 75, (4, 512))), (128, None)):
+        comp_spec = CacheSpec(CacheKind.PAGED, dtype, 1, 512, compress_rate=rate)
+        compressed = torch.zeros(6 * (128 // rate), 1, 512, dtype=dtype)
+        comp = dict(compressed=compressed, compressed_spec=comp_spec, indices=indices)
+        sparse_attention.sparse_attention(q, kv, ring, ring_spec, meta, 128, sinks=sinks, scale=0.04, **comp)
+    keys_spec = CacheSpec(CacheKind.PAGED, dtype, 1, 128, compress_rate=4)
+    keys = torch.zeros(6 * 32, 1, 128, dtype=dtype)
+    index_q, weights = torch.randn(4, 64, 128).to(dtype), torch.randn(4, 64)
+    indexer.indexer_topk(index_q, weights, keys, keys_spec, meta, 128, top_k=512, scale=128**-0.5)
+    indexer.indexer_select(index_q, weights, keys, keys_spec, meta, 128, top_k=512, scale=128**-0.5,
+                           within=torch.randint(-1, 10, (4, 16)), candidate_block=8, top_blocks=16)  # fmt: skip
+
+
 def launch_everything() -> None:
     from deepinfer_core.backend.ops import AttentionMetadata, BlockFP8, RoutingConfig
     from deepinfer_core.kv.layout import CacheKind, CacheSpec
@@ -98,6 +125,7 @@ def launch_everything() -> None:
             cache = torch.zeros(64, kv_heads, entry, dtype=dtype)
             attention.paged_attention(torch.randn(4, heads, key).to(dtype), cache, spec, meta, 16, scale=0.1,
                                       value_dim=value, value_offset=offset)  # fmt: skip
+        launch_v4_attention(dtype)
     for config in (
         RoutingConfig(num_experts=64, top_k=6, method="noaux_tc", scoring="sigmoid", normalize=True),
         RoutingConfig(num_experts=256, top_k=8, method="noaux_tc", scoring="sigmoid", num_groups=8, topk_groups=4),

@@ -24,6 +24,7 @@ def test_all_kernels_compile_for_sm90():
         *("_rms_norm_kernel", "_rotary_kernel", "_silu_and_mul_kernel", "_matmul_kernel", "_split_sum_kernel"),
         *("_gate_up_kernel", "_down_kernel", "_paged_attention_kernel", "_route_kernel", "_gumbel_kernel"),
         *("_hc_mix_kernel", "_hc_post_kernel", "_softmax_pool_kernel"),
+        *("_sparse_attention_kernel", "_index_scores_kernel"),
     }
     assert kernels == expected, f"compiled {sorted(kernels)}"
     # DeepSeek-V4's specialisations: the swiglu limit in both activations, sqrtsoftplus scores, hash routing,
