@@ -79,6 +79,10 @@ class NgramHasher:
         device = backend.torch_device
         self.layout = backend.kv_layout
         self.lookback = cfg.engram_max_ngram_size - 1
+        # the state keeps the ids of a sequence's last lookback + 1 positions (one more than the hashes read):
+        # a step writes its newest id where no shift of the same step reads, so running a decode step again
+        # (a device graph's warm-up before capture) reads what the first run read
+        self.span = self.lookback + 1
         self.token_map = torch.tensor(token_map, dtype=torch.int64, device=device)
         self.pad_id = token_map[cfg.engram_pad_id]
         primes = cfg.engram_primes()  # [layers][order - 2][head]
@@ -90,14 +94,14 @@ class NgramHasher:
         )
         self.multipliers = torch.tensor(multipliers, dtype=torch.int64, device=device)  # [L, max_ngram_size]
         # compressed ids stored exactly in float32 (compressed vocabularies are far below 2**24)
-        self.state_spec = CacheSpec(CacheKind.SEQUENCE_STATE, torch.float32, state_shape=(self.lookback,))
+        self.state_spec = CacheSpec(CacheKind.SEQUENCE_STATE, torch.float32, state_shape=(self.span,))
 
     def _lookback_sources(self, step: V4Step) -> tuple[torch.Tensor, torch.Tensor]:
-        """For each token row and shift s (0 = the token itself), the row of [B x lookback state entries,
-        then the step's T tokens] holding the id at position - s (-1: none, before the sequence start or
-        before the state was written: a prefix hit's replay, whose first tokens the replay length covers),
-        and the state writes (state entry, token row) that keep each sequence's last `lookback` ids."""
-        span, sources, writes = self.lookback, [], []
+        """For each token row and shift s = 0 (the token itself) .. lookback, the row of [B x span state
+        entries, then the step's T tokens] holding the id at position - s (-1: none, before the sequence start
+        or before the state was written: a prefix hit's replay, whose first tokens the replay length covers),
+        and the state writes (state entry, token row) that keep each sequence's last `span` ids."""
+        span, sources, writes = self.span, [], []
         if step.decode:
             return self._decode_lookback_sources(step)
         current = len(step._ends) * span
@@ -105,7 +109,7 @@ class NgramHasher:
         for b, row, first, end in step._sequences():
             since = max(0, written[b])
             for p in range(first, end):
-                for s in range(span + 1):
+                for s in range(span):
                     q = p - s
                     in_state = b * span + q % span if q >= since else -1
                     sources.append(current + row + q - first if q >= first else in_state)
@@ -113,16 +117,16 @@ class NgramHasher:
         entries, rows = zip(*writes) if writes else ((), ())
         device = step.device
         return (
-            torch.tensor(sources, dtype=torch.int64, device=device).view(-1, span + 1),
+            torch.tensor(sources, dtype=torch.int64, device=device).view(-1, span),
             torch.tensor([entries, rows], dtype=torch.int64, device=device).view(2, -1),
         )
 
     def _decode_lookback_sources(self, step: V4Step) -> tuple[torch.Tensor, torch.Tensor]:
         """The same for a decode step (row b: sequence b's newest token), on the device."""
-        span, batch = self.lookback, step.meta.num_seqs
+        span, batch = self.span, step.meta.num_seqs
         b = torch.arange(batch, device=step.device)[:, None]
         p = step.positions.to(torch.int64)[:, None]
-        q = p - torch.arange(span + 1, device=step.device)  # [B, span + 1]
+        q = p - torch.arange(span, device=step.device)  # [B, span]: shifts 0 .. lookback
         since = step.meta.window_starts[:, None].clamp_min(0)
         sources = torch.where(q >= since, b * span + q % span, -1)
         sources[:, 0] = batch * span + b[:, 0]
@@ -130,10 +134,10 @@ class NgramHasher:
 
     def __call__(self, token_ids: torch.Tensor, step: V4Step, state: torch.Tensor) -> torch.Tensor:
         compressed = self.token_map[token_ids]  # [T]
-        history = self.layout.gather(state, self.state_spec, step.seq_slots).long()  # [B, lookback]
+        history = self.layout.gather(state, self.state_spec, step.seq_slots).long()  # [B, span]
         sources, (entries, rows) = self._lookback_sources(step)
         table = torch.cat([history.flatten(), compressed, compressed.new_full((1,), _DEAD)])
-        ids = table[sources]  # [T, lookback + 1]; source -1 picks the trailing DEAD
+        ids = table[sources]  # [T, span]; source -1 picks the trailing DEAD
         blocked = (ids == _DEAD).cummax(dim=1).values  # once a shift is blocked, every longer one is
         ids = torch.where(blocked, self.pad_id, ids)
         flat = history.flatten()

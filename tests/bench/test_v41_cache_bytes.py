@@ -2,7 +2,7 @@
 
 V4.1: 40 layers, ratios [0,0]+[2]*18+[1]*20; kv sources 2, 8, 14 (ratio 2) and 20 (ratio 1), each also an
 index source, so each owns a 512-d compressed cache and a 128-d index-key cache; window 128 + 6 rollback
-slots on every layer; engram look-back of 3 ids on layer 1. V4 Flash: 2 sliding, 21 CSA (rate 4, with
+slots on every layer; engram look-back of 3 ids on layer 1 (4 kept: a decode step run again reads the same). V4 Flash: 2 sliding, 21 CSA (rate 4, with
 indexer), 20 HCA (rate 128) layers.
 """
 
@@ -44,12 +44,12 @@ def test_v41_per_sequence_caches(report):
     assert bf16["compressor_state"]["layers"] == [2, 8, 14]  # ratio 1 pools nothing: no state
     assert bf16["compressor_state"]["bytes"] == 3 * 2 * (2 * 512) * 4  # fp32 kv | gate of 2 tokens
     assert bf16["engram_history"] == packed["engram_history"] | {"storage": "float32"}
-    assert bf16["engram_history"]["layers"] == [1] and bf16["engram_history"]["bytes"] == 3 * 4
+    assert bf16["engram_history"]["layers"] == [1] and bf16["engram_history"]["bytes"] == 4 * 4
 
 
 def test_sequence_totals(report):
     v41 = report["models"]["v41"]["sequences"]["1048576"]["bf16"]
-    assert v41["total"] == 5488640 + 24576 + 12 + 1048576 * (2560 + 640)
+    assert v41["total"] == 5488640 + 24576 + 16 + 1048576 * (2560 + 640)
     flash = report["models"]["v4_flash"]["caches"]["bf16"]
     assert flash["compressed"]["bytes"] == (21 * 512 // 4 + 20 * 512 // 128) * 2 == 5536
     assert flash["index_keys"]["bytes"] == 21 * 128 // 4 * 2

@@ -118,7 +118,7 @@ def test_the_engram_look_back_of_a_decode_step_is_the_host_plans():
     from deepinfer_core.model.v41_engram import NgramHasher
 
     hasher = NgramHasher.__new__(NgramHasher)  # the plan needs only the look-back length
-    hasher.lookback = 3
+    hasher.lookback, hasher.span = 3, 4
     metas = [_decode_meta(n) for n in (1, None)]
     for meta, _ in metas:
         meta.window_starts.copy_(torch.tensor([6, 0, 0, 34]))  # 6 and 34: shifts past them are stale
