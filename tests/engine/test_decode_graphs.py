@@ -14,7 +14,7 @@ import torch
 from deepinfer_core.backend.registry import discover
 from deepinfer_core.backend.resolve import resolve_backend
 from deepinfer_core.backend.selection import select_backend
-from deepinfer_core.engine.graphs import capture_sizes
+from deepinfer_core.engine.graphs import DecodeGraphs, capture_sizes
 from deepinfer_core.engine.llm import LLM
 from deepinfer_core.kv.layout import ring_slots
 from deepinfer_core.sampling.params import SamplingParams
@@ -69,7 +69,7 @@ def test_replayed_decode_steps_match_eager_bit_for_bit(tiny_checkpoint, graph_ba
     capture = ReplayByCalling()
     replayed, llm = _run(tiny_checkpoint, capture, graph_batch_size)
     assert capture.replays > 10, "decode steps did not go through the graphs"
-    assert capture.captures == len(llm.engine.runner.graphs._replays)  # one capture per padded size used
+    assert capture.captures == len(llm.engine.runner.graphs._replays)  # one per padded size and width used
     assert replayed == eager
 
 
@@ -113,3 +113,20 @@ def test_deepseek_v4_decode_steps_replay_with_padded_sequence_slots(hf_v4_checkp
         runner.caches[0]["window"], spec, ring_slots(scratch, torch.arange(spec.ring_size), spec.ring_size)
     )
     assert bool(entries.abs().sum() > 0), "padding rows did not write the scratch sequence slot"
+
+
+def test_graphs_follow_the_block_table_width_in_buckets(hf_v4_checkpoint, monkeypatch):
+    """With buckets from one block, decode steps whose widest sequence spans 2 to 4 blocks of 16 replay graphs of
+    widths 2 and 4 (each captured once per padded size; the V4 indexer's entry slots sized by them) and give the
+    eager results; a width of 3 blocks runs on the graphs of 4, its last column -1."""
+    monkeypatch.setattr(DecodeGraphs, "MIN_WIDTH", 1)
+    checkpoint = hf_v4_checkpoint("a").path
+    eager, _ = _run_v4(checkpoint, None, 0)
+    capture = ReplayByCalling()
+    replayed, llm = _run_v4(checkpoint, capture, 8)
+    assert replayed == eager
+    graphs = llm.engine.runner.graphs
+    assert {width for _, width in graphs._replays} == {2, 4}
+    assert capture.captures == len(graphs._replays)
+    assert [graphs.width_bucket(w) for w in (1, 2, 3, 5, 64, 65)] == [1, 2, 4, 8, 64, 128]
+    assert graphs.width_bucket(graphs.max_blocks_per_seq) == graphs.max_blocks_per_seq
