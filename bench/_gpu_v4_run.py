@@ -2,8 +2,9 @@
 DeepSeek-V4.1 (no transformers baseline), decode and prefill vs the bound, one run, JSON naming the machine.
 
 The workload and the timing are V3's (run_workload, bench/_gpu_runners.py); the bounds count the bytes a
-decode step reads from the model's own cache declarations (bench/_gpu_v4_bound.py). Only the default mode of
-ours is measured here: the batch-invariant and FP8-weight models are V3's so far (recorded as not measured).
+decode step reads from the model's own cache declarations (bench/_gpu_v4_bound.py). Ours in its default mode
+and, where the backend runs the model batch-invariantly (it does not list "v4_batch_invariance" unsupported),
+in batch-invariant mode on the same weights; the FP8-weight model is V3's so far (recorded as not measured).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import torch
 from _gpu_report import write_plot
 from _gpu_runners import (
     Ours,
+    batch_invariant_backend,
     engine_config,
     hf_decode,
     make_prompts,
@@ -32,7 +34,7 @@ from _gpu_runners import (
 from deepinfer_core.backend.resolve import resolve_backend
 from deepinfer_core.engine.engine import EngineConfig
 
-NOT_MEASURED = "not measured for --model {model}: gpu_decode.py measures it on the V3 model only so far"
+NOT_MEASURED = "not measured for --model {model}: gpu_decode.py measures FP8 weights on the V3 model only so far"
 
 
 def main(args, argv: list[str] | None) -> int:
@@ -69,7 +71,11 @@ def main(args, argv: list[str] | None) -> int:
     seconds["weights"], t0 = time.perf_counter() - t0, time.perf_counter()
     model, stacks = models.build_ours(family, cfg, weights, backend) if backend else (None, {})
     if model is not None:
-        seconds["ours_default"] = time.perf_counter() - t0
+        seconds["ours_default"], t0 = time.perf_counter() - t0, time.perf_counter()
+    bi, bi_reason = _batch_invariant_backend(args, entry, dtype)
+    bi_model = models.build_ours(family, cfg, weights, bi)[0] if bi is not None else None
+    if bi_model is not None:
+        seconds["ours_batch_invariant"] = time.perf_counter() - t0
     hf = None
     if hf_reason is None:
         t0 = time.perf_counter()
@@ -80,6 +86,8 @@ def main(args, argv: list[str] | None) -> int:
     block = backend.kv_layout.block_size if backend else 128
     engine = engine_config(args, block, window_snapshot_bytes=0)  # no host copies of windows: nothing hits
     systems = {"ours_default": Ours(model, backend, engine)} if model is not None else {}
+    if bi_model is not None:
+        systems["ours_batch_invariant"] = Ours(bi_model, bi, engine)
     decode, prefill, profiles = run_workload(args, systems, hf, cfg.vocab_size, device)
 
     specs, specs_from = _cache_specs(family, cfg, model, dtype)
@@ -95,9 +103,12 @@ def main(args, argv: list[str] | None) -> int:
         **report_header(argv, dev, entry, backend, dtype),
         "systems": {
             "ours_default": "DeepInfer's engine, default mode" if systems else "not measured (--skip-ours)",
+            "ours_batch_invariant": "DeepInfer's engine, batch-invariant mode (resolve_backend(batch_invariant=True))"
+            if bi_model is not None
+            else f"not measured: {bi_reason}",
             "hf": "transformers' DeepseekV4ForCausalLM, eager, generate / forward" if hf else f"none: {hf_reason}",
         },
-        "batch_invariant": {"measured": False, "reason": NOT_MEASURED.format(model=args.model)},
+        "batch_invariant": {"measured": bi_model is not None, "reason": bi_reason},
         "fp8": {"measured": False, "reason": NOT_MEASURED.format(model=args.model)},
         "hf": {"available": False, "reason": hf_reason}
         if hf is None
@@ -128,6 +139,18 @@ def main(args, argv: list[str] | None) -> int:
     bound.print_table(report)
     print(f"\nwrote {out} ({report['wall_seconds']:.0f} s)")
     return 0
+
+
+def _batch_invariant_backend(args, entry, dtype):
+    """-> (the batch-invariant backend, None), or (None, why it is not measured)."""
+    if entry is None or args.skip_ours:
+        return None, "no model of ours (--skip-ours)"
+    if args.skip_batch_invariant:
+        return None, "skipped (--skip-batch-invariant)"
+    caveat = entry.capabilities.supports("v4_batch_invariance")
+    if caveat is not True:
+        return None, f"backend {entry.name} does not run DeepSeek-V4 models batch-invariantly: {caveat}"
+    return batch_invariant_backend(entry, dtype)
 
 
 def _name(dtype: torch.dtype) -> str:

@@ -60,6 +60,7 @@ def _check_complete(report: dict, model: str, systems: set[str]) -> None:
     assert report["params"]["bytes_total"] > 0 and report["params"]["active_params_per_token"] > 0
     assert report["measurements"]["copy_bandwidth"]["gb_per_s"] > 0
     assert report["batch_invariant"]["measured"] is False and report["fp8"]["measured"] is False
+    assert report["batch_invariant"]["reason"]  # the cpu backend does not claim batch invariance: it says so
 
 
 def test_gpu_decode_v4_tiny_writes_a_complete_report(tmp_path):

@@ -2,8 +2,8 @@
 
 V4.1: 40 layers, ratios [0,0]+[2]*18+[1]*20; kv sources 2, 8, 14 (ratio 2) and 20 (ratio 1), each also an
 index source, so each owns a 512-d compressed cache and a 128-d index-key cache; window 128 + 6 rollback
-slots on every layer; engram look-back of 3 ids on layer 1 (4 kept: a decode step run again reads the same). V4 Flash: 2 sliding, 21 CSA (rate 4, with
-indexer), 20 HCA (rate 128) layers.
+slots on every layer; engram look-back of 3 ids on layer 1 (4 kept: a decode step run again reads the same).
+V4 Flash: 2 sliding, 21 CSA (rate 4, with indexer), 20 HCA (rate 128) layers.
 """
 
 from __future__ import annotations

@@ -2,8 +2,10 @@
 with the rest of the batch (batch size, arrival order, prefill/decode mix, prefill chunking).
 
 Required only of backends that claim it (Capabilities.batch_invariant), which are resolved in their
-batch-invariant mode (`resolve_backend(batch_invariant=True)`). A negative control always runs:
-the same comparison over a deliberately batch-variant op table must report the variance.
+batch-invariant mode (`resolve_backend(batch_invariant=True)`), on a tiny DeepSeek-V3 and, where the backend
+runs DeepSeek-V4 and does not list "v4_batch_invariance" as unsupported, a tiny DeepSeek-V4 (windows, rings,
+compressor states, the indexer's top-k, hyper-connections). A negative control always runs: the same
+comparison over a deliberately batch-variant op table must report the variance.
 """
 
 from __future__ import annotations
@@ -16,10 +18,12 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
+from deepinfer_core.backend.ops import V4_OPS
 from deepinfer_core.engine.llm import LLM
+from deepinfer_core.kv.layout import CacheKind
 from deepinfer_core.sampling.params import SamplingParams
 
-VOCAB = 512  # the tiny checkpoint's (tiny_v3.TINY_V3)
+VOCAB = 512  # the tiny checkpoints' (tiny_v3.TINY_V3, tiny_v4.TINY_V4)
 TARGET_LENGTH = 60  # prefilled whole, as 32 + 28, or in 8-token chunks by the budgets below
 NEW_TOKENS = 10
 WHOLE, MEDIUM, SMALL = 4096, 32, 8  # max_num_batched_tokens
@@ -103,7 +107,8 @@ _request_ids = itertools.count()
 
 def run_variant(backend, path, target: SamplingParams, variant: Variant) -> Run:
     """The target's output under `variant`, on a fresh engine (prefix caching off)."""
-    llm = LLM(
+    llm = LLM(  # V4's window snapshots (host copies at block boundaries) change nothing here; kept off
+        window_snapshot_gb=0,
         model=path,
         backend=backend,
         num_kv_blocks=-(-2048 // backend.kv_layout.block_size) + 8,
@@ -172,13 +177,27 @@ def message(found: list[str], total: int) -> str:
     return f"batch invariance violated in {len(found)}/{total} runs: " + "; ".join(found)
 
 
+def _v4_block_size(suite) -> int:
+    """Skip unless the backend runs DeepSeek-V4 batch-invariantly; a block size the tiny V4's rates divide."""
+    for op in (*V4_OPS, "v4_batch_invariance"):
+        suite.require(op)
+    for kind in CacheKind:
+        suite.require_declared("cache_kinds", kind, why="V4 caches need it")
+    sizes = [size for size in suite.capabilities.block_sizes if size % 16 == 0]  # the HCA rate divides them
+    if not sizes:
+        pytest.skip(f"no block size of {suite.under_test.name} ({suite.capabilities.block_sizes}) is a multiple of 16")
+    return min(sizes)
+
+
 @pytest.mark.parametrize("family", list(FAMILIES))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_batch_invariance(suite, check, tiny_v3, dtype, family):
+@pytest.mark.parametrize("model", ["v3", "v4"])
+def test_batch_invariance(suite, check, tiny_v3, tiny_v4, model, dtype, family):
     suite.require_declared("batch_invariant")
     suite.require_dtype(dtype)
-    backend = suite.resolved(suite.under_test, dtype, batch_invariant=True)  # the mode it claims, asked for
-    found, worst, total = compare(backend, tiny_v3(32), family)
+    block_size = _v4_block_size(suite) if model == "v4" else None
+    backend = suite.resolved(suite.under_test, dtype, block_size, batch_invariant=True)  # the mode it claims
+    found, worst, total = compare(backend, tiny_v3(32) if model == "v3" else tiny_v4, family)
     check.metric(
         max_abs_err=worst,
         tolerance={"exact": True},
