@@ -73,7 +73,7 @@ def parse_args(argv):
     )
     p.add_argument("--accelerator", default="auto", help="backend name or alias, or auto")
     p.add_argument("--tiny", action="store_true", help="tiny float32 config and workload: a CPU smoke run")
-    p.add_argument("--batches", type=ints, help="decode batch sizes (default 1,16,64,256; v4, v41 1,16,64; tiny 1,4)")
+    p.add_argument("--batches", type=ints, help="decode batch sizes (default 1,16,64,256; tiny 1,4)")
     p.add_argument("--new-tokens", type=int, help="tokens generated per sequence (default 64; v4, v41 33; tiny 6)")
     p.add_argument("--prompt-len", type=int, help="decode prompt length (default 128; tiny 16)")
     p.add_argument("--prefill", type=ints, help="prefill prompts,length (default 16,1024; v4, v41 8,1024; tiny 4,64)")
@@ -102,7 +102,7 @@ def parse_args(argv):
     args = p.parse_args(argv)
     tiny, v3 = args.tiny, args.model == "v3"
     defaults = {
-        "batches": [1, 4] if tiny else [1, 16, 64, 256] if v3 else [1, 16, 64],
+        "batches": [1, 4] if tiny else [1, 16, 64, 256],
         "new_tokens": 6 if tiny else 64 if v3 else 33,
         "prompt_len": 16 if tiny else 128,
         "prefill": [4, 64] if tiny else [16, 1024] if v3 else [8, 1024],

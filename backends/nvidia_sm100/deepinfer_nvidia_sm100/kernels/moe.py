@@ -7,6 +7,10 @@ The first GEMM fuses the SiLU-and-multiply epilogue (gate and up columns in one 
 swiglu_limit the clamp too, a constexpr specialisation, so no limit costs nothing; with V4.1's row scales
 the routing weight too, another one); the second maps back to the hidden size. A row's result depends on
 its own row and expert only: batch-invariant.
+
+In default mode at prefill sizes (LARGE_ROWS_PER_EXPERT rows per expert and more), with 16-bit weights on an
+SM90+ GPU, torch._grouped_mm (CUTLASS's grouped GEMM, Hopper's TMA / warp-specialised tiles) runs the two
+GEMMs instead, around the activation kernel; decode sizes, batch-invariant mode and FP8 weights stay here.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ import triton.language as tl
 
 from deepinfer_core.backend.ops import BlockFP8
 from deepinfer_nvidia_sm100.kernels._common import INTERPRET, dot_in_float32, mma, next_pow2, weight_tile
-from deepinfer_nvidia_sm100.kernels.elementwise import limit_in, silu_mul_float32, silu_mul_rounded
+from deepinfer_nvidia_sm100.kernels.elementwise import limit_in, silu_and_mul, silu_mul_float32, silu_mul_rounded
 
 
 @triton.jit
@@ -151,6 +155,8 @@ def expert_ffn(
     # (narrower 32-column tiles for fewer rows than experts were tried: 0.2 ms slower per step at batch 1 on
     # the H200, bench/README.md)
     size = "large" if not fixed_tiles and rows >= LARGE_ROWS_PER_EXPERT * experts else "fixed"
+    if size == "large" and _torch_grouped_mm_takes(x, w13, w2):
+        return _torch_grouped_ffn(x, _counts_on(tokens_per_expert, x), w13, w2, swiglu_limit, row_scales)
     bm, bn, bk, warps, stages = _tiles(x.dtype, size)
     for scale, block in ((s13, q13), (s2, q2)):
         if scale is not None and block[1] % bk:
@@ -159,7 +165,7 @@ def expert_ffn(
     common = dict(F32=dot_in_float32(x.dtype), BE=next_pow2(experts), BM=bm, BN=bn, BK=bk, num_warps=warps)
     if not INTERPRET:
         common["num_stages"] = stages
-    counts = tokens_per_expert.to(device=x.device).contiguous()
+    counts = _counts_on(tokens_per_expert, x)
 
     def scale_args(scale, block):
         if scale is None:
@@ -181,3 +187,34 @@ def expert_ffn(
         out.stride(0), **flags2, **common,
     )  # fmt: skip
     return out
+
+
+def _counts_on(tokens_per_expert: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    return tokens_per_expert.to(device=x.device).contiguous()
+
+
+def _torch_grouped_mm_takes(x: torch.Tensor, w13, w2) -> bool:
+    """Whether torch's grouped GEMM (CUTLASS, SM90+) runs these prefill-sized GEMMs: 16-bit weights held as
+    tensors (not BlockFP8), on a CUDA device of compute capability 9 or more, rows 16-byte aligned."""
+    if not (x.is_cuda and hasattr(torch, "_grouped_mm")) or INTERPRET:
+        return False
+    if x.dtype not in (torch.bfloat16, torch.float16) or not all(isinstance(w, torch.Tensor) for w in (w13, w2)):
+        return False
+    if any(w.dtype != x.dtype for w in (w13, w2)) or torch.cuda.get_device_capability(x.device)[0] < 9:
+        return False
+    return all(n % 8 == 0 for n in (*w13.shape[1:], *w2.shape[1:]))
+
+
+def _torch_grouped_ffn(x, counts, w13, w2, swiglu_limit, row_scales) -> torch.Tensor:
+    """expert_ffn by torch._grouped_mm (default mode, prefill-sized; not batch-invariant): the gate-up GEMM, the
+    activation kernel (as the reference rounds it: silu_and_mul of the rounded projections; with row scales,
+    float32 from the float32 projections, times the scale, rounded once), the down GEMM."""
+    ends = torch.cumsum(counts, dim=0, dtype=torch.int32)  # [E]: each expert's last row + 1
+    if row_scales is None:
+        gate_up = torch._grouped_mm(x, w13.transpose(1, 2), offs=ends)  # [N, 2I] in x.dtype
+        act = silu_and_mul(gate_up, swiglu_limit)
+    else:
+        gate_up = torch._grouped_mm(x, w13.transpose(1, 2), offs=ends, out_dtype=torch.float32)
+        scaled = silu_and_mul(gate_up, swiglu_limit) * row_scales.to(torch.float32)[:, None]
+        act = scaled.to(x.dtype)
+    return torch._grouped_mm(act, w2.transpose(1, 2), offs=ends)
