@@ -4,13 +4,14 @@ dense GEMMs in the default mode, the fixed-tiling Triton GEMM in batch-invariant
 
 DeepSeek-V4's op features on those fast paths are Triton too: the swiglu limit (`silu_and_mul(limit=)`,
 `expert_ffn(swiglu_limit=)`, fused into the same kernels) and sqrtsoftplus / hash routing (the routing
-kernel); hc_pre (after torch's rms and mixing GEMM: the weights, Sinkhorn and the collapse in one kernel),
-hc_post and softmax_pool are kernels (kernels.hyper), and so is V4's sparse_attention
+kernel); hc_pre (a row-local rms kernel, the mixing GEMM by `linear`, then the weights, Sinkhorn and the
+collapse in one kernel), hc_post and softmax_pool are kernels (kernels.hyper), and so is V4's sparse_attention
 (kernels.sparse_attention: one program per query token, no host reads, rows independent of the batch).
 So is the lightning indexer, V4's indexer_topk and V4.1's indexer_select (kernels.indexer: a scores kernel,
-then the top-k by torch ops on the device, no host reads). V4.1's other ops (V41_OPS) are the reference's
-PyTorch code on the GPU for now, but for the op feature expert_row_scales (`expert_ffn(row_scales=)`),
-fused into the grouped expert GEMM's epilogue.
+then the top-k by torch ops on the device, no host reads). V4.1's other ops are kernels as well: hc_mixes,
+hc_collapse and hc_expand (kernels.hyper, hc_pre's kernels with V4.1's roundings), round_to_format
+(kernels.rounding, bitwise the reference's), engram_gate (kernels.engram), and the op feature
+expert_row_scales (`expert_ffn(row_scales=)`), fused into the grouped expert GEMM's epilogue.
 
 Imported only after the backend is selected (it imports triton).
 """
@@ -22,10 +23,19 @@ import torch.nn.functional as F
 
 from deepinfer_core.backend.ops import AttentionMetadata, BlockFP8, RoutingConfig
 from deepinfer_core.kv.layout import CacheSpec, KVLayout
-from deepinfer_core.reference.attention import ReferenceAttention
 from deepinfer_core.reference.kv import ReferenceKVLayout
-from deepinfer_core.reference.ops import ReferenceOps
-from deepinfer_nvidia_sm100.kernels import attention, elementwise, gemm, hyper, indexer, moe, routing, sparse_attention
+from deepinfer_nvidia_sm100.kernels import (
+    attention,
+    elementwise,
+    engram,
+    gemm,
+    hyper,
+    indexer,
+    moe,
+    rounding,
+    routing,
+    sparse_attention,
+)
 
 __all__ = ["NvidiaAttention", "NvidiaOps"]
 
@@ -33,13 +43,12 @@ Weight = torch.Tensor | BlockFP8  # a dense weight, or DeepSeek's FP8 format
 
 
 class NvidiaOps:
-    """Implements deepinfer_core.backend.ops.Ops and V4Ops on one GPU.
+    """Implements deepinfer_core.backend.ops.Ops, V4Ops and V41Ops on one GPU.
 
     batch_invariant: every op's result for a row must not depend on the other rows of the call. The
-    row-local kernels and the grouped expert GEMM are so always; `linear` and `head_linear` then use
-    the fixed-tiling Triton GEMM instead of cuBLAS, whose algorithm changes with the number of rows.
-    V4's hc_pre normalises with torch ops, whose reductions are not promised to be batch-invariant (the
-    capabilities say so, with V4's attention: "v4_batch_invariance").
+    row-local kernels (V4's and V4.1's among them) and the grouped expert GEMM are so always; `linear` and
+    `head_linear` then use the fixed-tiling Triton GEMM instead of cuBLAS, whose algorithm changes with the
+    number of rows (hc_pre's and hc_mixes' mixing GEMM is a `linear`).
     """
 
     def __init__(self, batch_invariant: bool = False) -> None:
@@ -106,13 +115,14 @@ class NvidiaOps:
         eps: float,
         norm_eps: float,
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-        """The rms normalisation in torch ops and the mixes by `linear` (as the reference: normalise, then
-        multiply), then one kernel for the rest: pre / post, the comb matrix and its Sinkhorn iterations, the
-        collapse of the streams."""
-        flat = streams.flatten(1).float()  # [T, N * D]
-        flat = flat * torch.rsqrt(flat.square().mean(dim=-1, keepdim=True) + norm_eps)
-        mixes = self.linear(flat, fn.float())  # [T, (2 + N) N] or [T, N], float32
+        """The mixes (see _mixes), then one kernel for the rest: pre / post, the comb matrix and its Sinkhorn
+        iterations, the collapse of the streams."""
+        mixes = self._mixes(streams, fn, norm_eps)
         return hyper.hc_mix(streams, mixes, scale, base, sinkhorn_iters, eps)
+
+    def _mixes(self, streams: torch.Tensor, fn: torch.Tensor, norm_eps: float) -> torch.Tensor:
+        """[T, rows of fn] float32: as the reference, normalise (a row-local kernel), then multiply by `linear`."""
+        return self.linear(hyper.hc_norm(streams, norm_eps), fn.float())  # [T, N * D] @ [rows, N * D]^T
 
     def hc_post(
         self, block_out: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, comb: torch.Tensor
@@ -122,38 +132,65 @@ class NvidiaOps:
     def softmax_pool(self, values: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
         return hyper.softmax_pool(values, logits)
 
-    # DeepSeek-V4.1's ops: the reference's PyTorch code on the GPU tensors (correct, not tuned)
-    _v41 = ReferenceOps()
+    # DeepSeek-V4.1's ops: hc_pre's kernels with V4.1's roundings, the block rounding, the engram gate
 
-    def hc_mixes(self, streams, fn, scale, base, *, sinkhorn_iters: int, eps: float, norm_eps: float):
-        return self._v41.hc_mixes(streams, fn, scale, base, sinkhorn_iters=sinkhorn_iters, eps=eps, norm_eps=norm_eps)
+    def hc_mixes(
+        self,
+        streams: torch.Tensor,
+        fn: torch.Tensor,
+        scale: torch.Tensor,
+        base: torch.Tensor,
+        *,
+        sinkhorn_iters: int,
+        eps: float,
+        norm_eps: float,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """hc_pre's kernels, storing pre in place of the collapse."""
+        n = streams.shape[1]
+        if fn.shape[0] != (2 + n) * n:
+            raise ValueError(
+                f"hc_mixes takes the layer form fn [(2 + N) N, N*D] = [{(2 + n) * n}, {n * streams.shape[2]}] "
+                f"for {n} streams; got fn {list(fn.shape)}"
+            )
+        mixes = self._mixes(streams, fn, norm_eps)
+        return hyper.hc_mix(streams, mixes, scale, base, sinkhorn_iters, eps, collapse=False)
 
     def hc_collapse(self, streams: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
-        return self._v41.hc_collapse(streams, pre)
+        return hyper.hc_collapse(streams, pre)
 
-    def hc_expand(self, block_out, streams, post, comb) -> torch.Tensor:
-        return self._v41.hc_expand(block_out, streams, post, comb)
+    def hc_expand(
+        self, block_out: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, comb: torch.Tensor
+    ) -> torch.Tensor:
+        return hyper.hc_post(block_out, streams, post, comb, round_terms=False)
 
     def round_to_format(self, x: torch.Tensor, fmt: str) -> torch.Tensor:
-        return self._v41.round_to_format(x, fmt)
+        return rounding.round_to_format(x, fmt)
 
-    def engram_gate(self, streams, key, value, weight, dead, *, eps: float) -> torch.Tensor:
-        return self._v41.engram_gate(streams, key, value, weight, dead, eps=eps)
+    def engram_gate(
+        self,
+        streams: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        weight: torch.Tensor,
+        dead: torch.Tensor,
+        *,
+        eps: float,
+    ) -> torch.Tensor:
+        return engram.engram_gate(streams, key, value, weight, dead, eps)
 
 
 class NvidiaAttention:
-    """Implements AttentionOps (a Triton kernel), V4AttentionOps and V41AttentionOps over the row-per-slot
-    caches of `ReferenceKVLayout` (paged, compressed paged, sliding-window rings).
+    """Implements AttentionOps, V4AttentionOps and V41AttentionOps by Triton kernels over the row-per-slot
+    caches of `ReferenceKVLayout` (paged, compressed paged, sliding-window rings), with no host reads.
 
-    sparse_attention, indexer_topk and indexer_select are Triton kernels (the indexers' top-k by torch ops
-    after their scores kernel), with no host reads; each falls back to the reference's PyTorch code on caches
-    its kernel cannot read (see the methods).
+    sparse_attention, indexer_topk and indexer_select read q and caches of one float32 / bfloat16 / float16
+    dtype (the backend's caches are in its compute dtype), one cached head; anything else is refused with a
+    ValueError that says what was passed (nothing falls back to the reference's PyTorch code).
     """
 
     def __init__(self, layout: KVLayout) -> None:
         self.layout = layout
         self.block_size = layout.block_size
-        self._torch = ReferenceAttention(layout)
 
     def paged_attention(self, q, cache, spec, meta, *, scale: float, value_dim: int, value_offset: int = 0):
         return attention.paged_attention(
@@ -174,34 +211,31 @@ class NvidiaAttention:
         compressed_spec: CacheSpec | None = None,
         indices: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """The Triton kernel (kernels.sparse_attention) where it reads the caches: ReferenceKVLayout's
-        row-per-slot tensors, one cached head, and q, kv and the caches of one float32 / bfloat16 / float16
-        dtype. Anything else (another layout, mixed or FP8 cache dtypes) falls back to the reference's
-        PyTorch code, with the same result up to rounding."""
-        args = dict(sinks=sinks, scale=scale, compressed=compressed, compressed_spec=compressed_spec, indices=indices)
-        if self._kernel_reads(q, kv, ring, ring_spec, compressed, compressed_spec):
-            return sparse_attention.sparse_attention(q, kv, ring, ring_spec, meta, self.block_size, **args)
-        return self._torch.sparse_attention(q, kv, ring, ring_spec, meta, **args)
+        """kernels.sparse_attention."""
+        caches = [("kv", kv, None), ("ring", ring, ring_spec)]
+        caches += [] if compressed is None else [("compressed", compressed, compressed_spec)]
+        self._check_reads("sparse_attention", q, caches)
+        return sparse_attention.sparse_attention(
+            q, kv, ring, ring_spec, meta, self.block_size, sinks=sinks, scale=scale,
+            compressed=compressed, compressed_spec=compressed_spec, indices=indices,
+        )  # fmt: skip
 
-    def _kernel_reads(self, q, kv, ring, ring_spec, compressed, compressed_spec) -> bool:
-        """Whether the sparse attention kernel can read these tensors (see sparse_attention)."""
-        caches = [(ring, ring_spec)] + ([] if compressed is None else [(compressed, compressed_spec)])
-        return (
-            isinstance(self.layout, ReferenceKVLayout)
-            and q.dtype in (torch.float32, torch.bfloat16, torch.float16)
-            and kv.dtype == q.dtype
-            and all(c.dtype == q.dtype and s.num_heads == 1 and c.shape[1:] == (1, q.shape[-1]) for c, s in caches)
-        )
-
-    def _indexer_reads(self, q, keys, keys_spec) -> bool:
-        """Whether the indexer's scores kernel can read these tensors (see indexer_topk)."""
-        return (
-            isinstance(self.layout, ReferenceKVLayout)
-            and q.dtype in (torch.float32, torch.bfloat16, torch.float16)
-            and keys.dtype == q.dtype
-            and keys_spec.num_heads == 1
-            and keys.shape[1:] == (1, q.shape[-1])
-        )
+    def _check_reads(self, op: str, q: torch.Tensor, tensors: list) -> None:
+        """Raise ValueError unless the kernels read q and `tensors` [(name, tensor, its CacheSpec or None)]."""
+        why = None
+        if not isinstance(self.layout, ReferenceKVLayout):
+            why = f"the KV layout is {type(self.layout).__name__}, not the backend's row-per-slot ReferenceKVLayout"
+        elif q.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            why = f"q is {q.dtype}; the kernels take float32, bfloat16 or float16"
+        for name, t, spec in tensors if why is None else ():
+            if t.dtype != q.dtype:
+                why = f"{name} is {t.dtype} and q {q.dtype}; q and the caches must share one dtype"
+            elif spec is not None and (spec.num_heads != 1 or tuple(t.shape[1:]) != (1, q.shape[-1])):
+                why = f"{name} holds entries {tuple(t.shape[1:])}; the kernels read one head of q's {q.shape[-1]} dims"
+            if why is not None:
+                break
+        if why is not None:
+            raise ValueError(f"nvidia_sm100 {op}: {why}")
 
     def indexer_topk(
         self,
@@ -214,26 +248,18 @@ class NvidiaAttention:
         top_k: int,
         scale: float,
     ) -> torch.Tensor:
-        """The scores kernel and a top-k on the device (kernels.indexer) where the kernel reads the keys:
-        ReferenceKVLayout's row-per-slot tensor, one head, q and keys of one float32 / bfloat16 / float16
-        dtype. Anything else falls back to the reference's PyTorch code. Both choose the same entries, in
-        the same order, from the same scores (which may differ by rounding)."""
-        if self._indexer_reads(q, keys, keys_spec):
-            return indexer.indexer_topk(q, weights, keys, keys_spec, meta, self.block_size, top_k=top_k, scale=scale)
-        return self._torch.indexer_topk(q, weights, keys, keys_spec, meta, top_k=top_k, scale=scale)
+        """The scores kernel and a top-k on the device (kernels.indexer): the reference's entries, in its order,
+        from the same scores (which may differ by rounding)."""
+        self._check_reads("indexer_topk", q, [("keys", keys, keys_spec)])
+        return indexer.indexer_topk(q, weights, keys, keys_spec, meta, self.block_size, top_k=top_k, scale=scale)
 
     def indexer_select(
         self, q, weights, keys, keys_spec, meta, *, top_k, scale, within=None, block_size=1, top_blocks=0
     ):
-        """DeepSeek-V4.1's indexer; `block_size` is the candidate blocks' size in entries (not the KV cache's).
-        The scores kernel and top-k's on the device (kernels.indexer) where the kernel reads the keys (as
-        indexer_topk), else the reference's PyTorch code."""
-        if self._indexer_reads(q, keys, keys_spec):
-            return indexer.indexer_select(
-                q, weights, keys, keys_spec, meta, self.block_size, top_k=top_k, scale=scale,
-                within=within, candidate_block=block_size, top_blocks=top_blocks,
-            )  # fmt: skip
-        return self._torch.indexer_select(
-            q, weights, keys, keys_spec, meta, top_k=top_k, scale=scale,
-            within=within, block_size=block_size, top_blocks=top_blocks,
+        """DeepSeek-V4.1's indexer (kernels.indexer); `block_size` is the candidate blocks' size in entries (not
+        the KV cache's)."""
+        self._check_reads("indexer_select", q, [("keys", keys, keys_spec)])
+        return indexer.indexer_select(
+            q, weights, keys, keys_spec, meta, self.block_size, top_k=top_k, scale=scale,
+            within=within, candidate_block=block_size, top_blocks=top_blocks,
         )  # fmt: skip

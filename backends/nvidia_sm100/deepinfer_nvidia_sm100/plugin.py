@@ -18,13 +18,6 @@ from deepinfer_core.kv.layout import CacheKind
 DEEPINFER_API_VERSION = API_VERSION
 MIN_COMPUTE_CAPABILITY = (9, 0)  # SM90 (Hopper); SM100-only paths are gated separately
 
-# Not an op: a caveat of the batch-invariant mode, reported beside the unsupported ops (nothing asks for it).
-_V4_BATCH_INVARIANCE = (
-    "DeepSeek-V4's hc_pre normalises with torch ops, and DeepSeek-V4.1's hyper-connection and engram ops "
-    "run as the reference's PyTorch code on the GPU: torch reductions whose results may depend on the "
-    "batch and the prefill chunking, so batch-invariant mode covers DeepSeek V2/V3 models only"
-)
-
 
 @hookimpl
 def deepinfer_backend_info():
@@ -44,17 +37,17 @@ def deepinfer_backend_capabilities():
         # PAGED (compressed too), SLIDING_WINDOW, SEQUENCE_STATE: ReferenceKVLayout's row-per-slot caches
         cache_kinds=(CacheKind.PAGED, CacheKind.SLIDING_WINDOW, CacheKind.SEQUENCE_STATE),
         block_sizes=(128, 64, 32, 16),
-        batch_invariant=True,  # on request: fixed-tiling Triton GEMMs replace cuBLAS (ops.NvidiaOps)
+        # on request: fixed-tiling Triton GEMMs replace cuBLAS (ops.NvidiaOps); every other op is row-local, V4's
+        # and V4.1's included (the conformance suite's bitwise cases run a tiny V4 as well as a tiny V3)
+        batch_invariant=True,
         deterministic_sampling=True,
-        graph_capture=True,  # decode steps of V2/V3 models (DeepSeek-V4 models do not ask for graphs yet)
+        graph_capture=True,  # decode steps (DeepSeek-V4.1's not with host-placed engram tables)
         async_scheduling=True,
         communicators=("in_process",),
         weight_formats=("fp8_block",),  # DeepSeek's FP8 weights stay FP8 in memory (half the bytes to read)
-        # V4_OPS are all supported by Triton kernels (sparse_attention and the indexers fall back to PyTorch
-        # reference code on caches their kernels cannot read); V41_OPS's hyper-connection, rounding and engram
-        # ops run as PyTorch reference code (ops.NvidiaOps), expert_row_scales is fused into the grouped expert
-        # GEMM (kernels.moe), indexer_select is the indexer kernel (kernels.indexer)
-        unsupported=(("v4_batch_invariance", _V4_BATCH_INVARIANCE),),
+        # V4_OPS and V41_OPS are all Triton kernels: V4.1's hyper-connection, rounding and engram ops are
+        # kernels.hyper, kernels.rounding and kernels.engram, expert_row_scales is fused into the grouped expert
+        # GEMM (kernels.moe), indexer_topk / indexer_select are kernels.indexer
     )
 
 

@@ -5,6 +5,7 @@ order."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import pytest
@@ -94,10 +95,7 @@ def index_batch(dtype, block_size=16, rate=4, *, heads=4, dim=16, seqs=SEQS, tie
 
 
 def kernel_attention(layout) -> NvidiaAttention:
-    """NvidiaAttention that cannot fall back to the reference: a test of it checks the kernel."""
-    nv = NvidiaAttention(layout)
-    nv._torch = None
-    return nv
+    return NvidiaAttention(layout)
 
 
 def random_within(batch: IndexBatch, block_size: int, seed=5) -> torch.Tensor:
@@ -240,7 +238,7 @@ def test_a_visibility_off_by_one_would_be_caught():
     assert torch.equal(indexer._picked(unmasked.masked_fill(~right, float("-inf")), TOP_K), expected)
 
 
-# ----------------------------------------------------------------------------- batching, host reads, fallback
+# ----------------------------------------------------------------------------- batching, host reads, refusals
 
 
 def test_a_sequence_chooses_the_same_alone_and_in_the_batch():
@@ -301,14 +299,16 @@ def test_no_queries():
     assert indices.shape == (0, TOP_K) and blocks.shape == (0, 3)
 
 
-def test_what_the_kernel_cannot_read_falls_back_to_the_reference():
-    """Keys of another dtype than q: the reference's code, bit for bit."""
+def test_what_the_kernels_cannot_read_is_refused_with_the_reason():
+    """Keys of another dtype than q, and keys of two heads: a ValueError naming the op and what was passed
+    (nothing falls back to the reference's PyTorch code)."""
     batch = index_batch(torch.float32)
-    q = batch.q.to(torch.bfloat16)
     nv = NvidiaAttention(batch.layout)
-    assert not nv._indexer_reads(q, batch.keys, batch.spec)
-    mixed = IndexBatch(batch.layout, batch.spec, batch.keys, batch.meta, q, batch.weights)
-    assert torch.equal(mixed.topk(nv), mixed.topk(ReferenceAttention(batch.layout)))
-    within = random_within(batch, 2)
-    for got, want in zip(mixed.select(nv, within, 2, 3), mixed.select(ReferenceAttention(batch.layout), within, 2, 3)):
-        assert torch.equal(got, want)
+    mixed = IndexBatch(batch.layout, batch.spec, batch.keys, batch.meta, batch.q.to(torch.bfloat16), batch.weights)
+    with pytest.raises(ValueError, match=r"nvidia_sm100 indexer_topk: keys is torch.float32 and q torch.bfloat16"):
+        mixed.topk(nv)
+    with pytest.raises(ValueError, match="nvidia_sm100 indexer_select: keys is torch.float32"):
+        mixed.select(nv, random_within(batch, 2), 2, 3)
+    two_heads = dataclasses.replace(batch.spec, num_heads=2)
+    with pytest.raises(ValueError, match="one head"):
+        IndexBatch(batch.layout, two_heads, batch.keys, batch.meta, batch.q, batch.weights).topk(nv)

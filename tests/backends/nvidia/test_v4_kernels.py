@@ -137,8 +137,6 @@ def test_capabilities_offer_deepseek_v4():
     caps = plugin.deepinfer_backend_capabilities()
     assert all(caps.supports(op) is True for op in V4_OPS)
     assert set(caps.cache_kinds) == set(CacheKind)
-    assert caps.batch_invariant  # for V2/V3 models; V4's caveat is listed beside the unsupported ops
-    caveat = caps.supports("v4_batch_invariance")
-    assert caveat is not True and "PyTorch" in caveat
-    assert {name for name, _ in caps.unsupported} == {"v4_batch_invariance"}
-    assert all(caps.supports(op) is True for op in V41_OPS)  # V4.1: the reference's PyTorch code on the GPU
+    assert caps.batch_invariant and caps.supports("v4_batch_invariance") is True  # V4 models too (conformance)
+    assert caps.unsupported == ()
+    assert all(caps.supports(op) is True for op in V41_OPS)

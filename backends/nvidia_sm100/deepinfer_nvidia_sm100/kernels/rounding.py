@@ -1,0 +1,118 @@
+"""DeepSeek-V4.1's fake quantisation, `round_to_format`, in one launch where the reference takes a dozen.
+
+Each block of the last dim takes the value it has in a block format of BLOCK_FORMATS, bitwise the reference's:
+the same IEEE float32 operations in the same order (divisions correctly rounded: `div_rn`, never the
+approximate `/`; no multiply feeds an add, so none is contracted into an FMA), and the float8 e4m3 and FP4 e2m1
+roundings in integer and compare arithmetic, which every GPU and Triton's interpreter do alike (a float8 cast
+would differ between them). Row-local: each block is rounded from its own values only.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from deepinfer_core.backend.ops import BLOCK_FORMATS
+from deepinfer_nvidia_sm100.kernels._common import next_pow2
+
+# the kernel's FORMAT constexpr, by format: 0 fp8 e4m3 / pow2 scale, 1 fp4 e2m1 / pow2 scale, 2 fp4 / e4m3 scale
+FORMATS = {"fp8_e4m3/pow2:32": 0, "fp4_e2m1/pow2:32": 1, "fp4_e2m1/e4m3:16": 2}
+NAN = tl.constexpr(float("nan"))
+
+
+@triton.jit
+def _pow2ceil(t):
+    """2^(e - 127 + (m != 0)) from the float32 bits of t >= 0: the reference's _pow2ceil, bit for bit (a NaN t
+    gives -0.0 there too: the exponent 256 wraps into the sign bit)."""
+    bits = t.to(tl.int32, bitcast=True)
+    power = ((bits >> 23) & 0xFF) - 127 + ((bits & 0x7FFFFF) != 0).to(tl.int32)
+    return ((power + 127) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _e4m3(x):
+    """float32 x rounded to float8 e4m3fn (to nearest, ties to even) and back, as torch casts: magnitudes
+    past 448 saturate to 448 (torch >= 2.12, and the GPU's cvt.satfinite), NaN stays NaN, the sign is kept."""
+    bits = x.to(tl.int32, bitcast=True)
+    magnitude = bits & 0x7FFFFFFF
+    exponent = magnitude >> 23  # biased; 0 for float32 subnormals, which have no leading one
+    mantissa = (magnitude & 0x7FFFFF) | tl.where(exponent > 0, 0x800000, 0)  # |x| = mantissa 2^(exponent - 150)
+    exponent = tl.maximum(exponent, 1)
+    quantum = tl.maximum(exponent, 121)  # e4m3 keeps 3 bits below the leading one, none below 2^-9 (2^-6 - 3)
+    shift = tl.minimum(20 + quantum - exponent, 25)  # mantissa < 2^24: any shift from 25 on leaves 0
+    q = mantissa >> shift
+    rest = mantissa & ((1 << shift) - 1)
+    half = 1 << (shift - 1)
+    q += ((rest > half) | ((rest == half) & ((q & 1) == 1))).to(tl.int32)  # to nearest, ties to even
+    value = q.to(tl.float32) * ((quantum - 3) << 23).to(tl.float32, bitcast=True)  # q 2^(quantum - 130), exact
+    value = tl.where(x != x, x, tl.where(value > 448.0, 448.0, value))
+    # x's sign bit on the magnitude (a negation would make -0.0 of 0.0 - 0.0, which is +0.0)
+    return (value.to(tl.int32, bitcast=True) | (bits ^ magnitude)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _e2m1(q):
+    """q in [-6, 6] to the nearest FP4 e2m1 value, ties to the even code, a zero result +0 (and NaN to +0): the
+    reference's _round_e2m1, by the same comparisons."""
+    a = tl.abs(q)
+    code = (a > 0.25).to(tl.int32) + (a >= 0.75).to(tl.int32) + (a > 1.25).to(tl.int32)
+    code += (a >= 1.75).to(tl.int32) + (a > 2.5).to(tl.int32) + (a >= 3.5).to(tl.int32) + (a > 5.0).to(tl.int32)
+    magnitude = tl.where(code < 4, code * 0.5, tl.where(code < 7, code - 2.0, 6.0))
+    return tl.where((q < 0) & (magnitude > 0), -magnitude, magnitude)
+
+
+@triton.jit
+def _clamp(x, low, high):
+    """torch.clamp(x, low, high): NaN stays NaN."""
+    return tl.minimum(_at_least(x, low), high, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def _at_least(x, low):
+    """torch.clamp_min(x, low): NaN stays NaN."""
+    return tl.maximum(x, low, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def _round_kernel(x_ptr, out_ptr, L, sx_r, FORMAT: tl.constexpr, B: tl.constexpr, G: tl.constexpr):
+    r = tl.program_id(0).to(tl.int64)
+    cols = (tl.program_id(1) * G + tl.arange(0, G))[:, None] * B + tl.arange(0, B)[None, :]  # [G blocks, B]
+    mask = cols < L  # L is whole blocks
+    x = tl.load(x_ptr + r * sx_r + cols, mask=mask, other=0.0).to(tl.float32)
+    amax = tl.max(tl.abs(x), axis=1)
+    amax = tl.where(tl.max((x != x).to(tl.int32), axis=1) > 0, NAN, amax)[:, None]  # torch's amax keeps a NaN
+    if FORMAT == 0:
+        scale = _pow2ceil(_at_least(amax, 1e-4) * (1 / 448))
+        q = _e4m3(_clamp(tl.math.div_rn(x, scale), -448.0, 448.0))
+    elif FORMAT == 1:
+        scale = _pow2ceil(_at_least(amax, 6 * 2**-126) * (1 / 6))
+        q = _e2m1(_clamp(tl.math.div_rn(x, scale), -6.0, 6.0))
+    else:  # the scale a correctly rounded division by 6, then rounded to e4m3
+        scale = _e4m3(tl.math.div_rn(_at_least(amax, 6 * 2**-9), tl.full([G, 1], 6.0, tl.float32)))
+        q = _e2m1(_clamp(tl.math.div_rn(x, scale), -6.0, 6.0))
+    tl.store(out_ptr + r * L + cols, (q * scale).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def round_to_format(x: torch.Tensor, fmt: str) -> torch.Tensor:
+    """x [..., L] -> the value each block of L takes in block format `fmt` (see V41Ops.round_to_format), x's
+    shape and dtype; ValueError for an unknown format or an L the block does not divide."""
+    if fmt not in BLOCK_FORMATS:
+        raise ValueError(f"unknown block format {fmt!r}; round_to_format knows {', '.join(BLOCK_FORMATS)}")
+    block = int(fmt.rsplit(":", 1)[1])
+    if x.shape[-1] % block:
+        raise ValueError(
+            f"{fmt} rounds blocks of {block} along the last dim, which is {x.shape[-1]} here: "
+            f"pass a tensor whose last dim is a multiple of {block}"
+        )
+    rows = x.reshape(-1, x.shape[-1])  # [R, L]
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    out = torch.empty(rows.shape, dtype=x.dtype, device=x.device)
+    blocks = rows.shape[1] // block
+    group = min(next_pow2(blocks), 1024 // block)  # blocks per program
+    if rows.numel():
+        _round_kernel[(rows.shape[0], triton.cdiv(blocks, group))](
+            rows, out, rows.shape[1], rows.stride(0), FORMAT=FORMATS[fmt], B=block, G=group
+        )
+    return out.view(x.shape)
