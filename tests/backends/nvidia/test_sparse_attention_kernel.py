@@ -1,5 +1,6 @@
 """DeepSeek-V4's sparse attention kernel against ReferenceAttention.sparse_attention, under Triton's interpreter:
-ragged batches of prefills, chunks and decodes over rings and compressed caches whose stale slots hold poison."""
+ragged batches of prefills, chunks and decodes over rings and compressed caches whose stale slots hold poison;
+keys split in many small splits, by both launches (split and single pass), whose bits must agree."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from deepinfer_core.backend.ops import AttentionMetadata
 from deepinfer_core.kv.layout import CacheKind, CacheSpec, compressed_slots, ring_slots
 from deepinfer_core.reference.attention import ReferenceAttention
 from deepinfer_core.reference.kv import ReferenceKVLayout
+from deepinfer_nvidia_sm100.kernels import sparse_attention
 from deepinfer_nvidia_sm100.ops import NvidiaAttention
 
 CPU = torch.device("cpu")
@@ -103,10 +105,22 @@ def indices_for(batch: V4Batch, rate: int, top_k=6, seed=2) -> torch.Tensor:
 
 
 def kernel_attention(layout) -> NvidiaAttention:
-    """NvidiaAttention that cannot fall back to the reference: a test of it checks the kernel."""
-    nv = NvidiaAttention(layout)
-    nv._torch = None
-    return nv
+    return NvidiaAttention(layout)
+
+
+@dataclass(frozen=True, slots=True)
+class Launch:
+    """The kernel's launcher with `split_keys` keys per split, by one launch, in AttentionOps' shape."""
+
+    block_size: int
+    split_keys: int
+    single_pass: bool
+
+    def sparse_attention(self, q, kv, ring, ring_spec, meta, **kwargs) -> torch.Tensor:
+        return sparse_attention.sparse_attention(
+            q, kv, ring, ring_spec, meta, self.block_size, split_keys=self.split_keys, split=not self.single_pass,
+            **kwargs,
+        )  # fmt: skip
 
 
 def assert_matches(out: torch.Tensor, expected: torch.Tensor, keys: int) -> None:
@@ -151,15 +165,13 @@ def test_padded_heads_and_dims_and_strided_q(dtype):
     assert_matches(out, expected, keys=WINDOW + max(n for n, _, _ in SEQS) // 4)
 
 
-def test_what_the_kernel_cannot_read_falls_back_to_the_reference():
-    """Caches of another dtype than q: the reference's code, bit for bit."""
+def test_what_the_kernel_cannot_read_is_refused_with_the_reason():
+    """Caches of another dtype than q: a ValueError naming the op and what was passed (no fallback)."""
     batch = v4_batch(torch.float32, 16, 4)
     q = batch.q.to(torch.bfloat16)
     sinks = torch.randn(batch.q.shape[1], generator=torch.Generator().manual_seed(3))
-    nv = NvidiaAttention(batch.layout)
-    assert not nv._kernel_reads(q, batch.kv, batch.ring, batch.ring_spec, batch.compressed, batch.comp_spec)
-    out = batch.attend(nv, "compressed", sinks, q=q)
-    assert torch.equal(out, batch.attend(ReferenceAttention(batch.layout), "compressed", sinks, q=q))
+    with pytest.raises(ValueError, match=r"nvidia_sm100 sparse_attention: kv is torch.float32 and q torch.bfloat16"):
+        batch.attend(NvidiaAttention(batch.layout), "compressed", sinks, q=q)
 
 
 # ----------------------------------------------------------------------------- bitwise batch invariance
@@ -168,7 +180,7 @@ def test_what_the_kernel_cannot_read_falls_back_to_the_reference():
 @pytest.mark.usefixtures("fixed_order_dot")
 @pytest.mark.parametrize("mode", ["window", "indexed"])
 def test_sequence_rows_bitwise_equal_alone_and_in_the_batch(mode):
-    """One program per query token: a sequence's rows do not depend on the other sequences of the step."""
+    """A query's splits are its own: a sequence's rows do not depend on the other sequences of the step."""
     batch = v4_batch(torch.bfloat16, 16, 4)
     sinks = torch.randn(batch.q.shape[1], generator=torch.Generator().manual_seed(3))
     indices = indices_for(batch, 4) if mode == "indexed" else None
@@ -184,3 +196,79 @@ def test_sequence_rows_bitwise_equal_alone_and_in_the_batch(mode):
         picks = None if indices is None else indices[rows]
         out = batch.attend(nv, mode, sinks, picks, q=batch.q[rows], kv=batch.kv[rows], meta=alone)
         assert torch.equal(out, full[rows]), b
+
+
+# ----------------------------------------------------------------------------- splits of the keys
+
+SPLIT = 4  # a full window of 8 is two splits, ending at a split's end; rate 4's 64 entries are 16
+
+
+def indices_with_empty_splits(batch: V4Batch, rate: int, top_k=24) -> torch.Tensor:
+    """indices_for's picks, and rows whose splits of SPLIT sorted picks hold nothing: -1 but for the last pick,
+    one entry 13 times (a whole split of repeats), none visible yet but the last; and one row of -1 only."""
+    picks = indices_for(batch, rate, top_k)
+    visible = (batch.positions() + 1) // rate
+    a, b, c, d = (visible >= 3).nonzero()[:4, 0].tolist()
+    picks[a, :-1] = -1
+    picks[b, :13] = visible[b] - 1
+    picks[c, :-1] = visible[c] + torch.arange(top_k - 1)
+    picks[d] = -1
+    return picks
+
+
+@pytest.mark.usefixtures("fixed_order_dot")
+@pytest.mark.parametrize(
+    "split_keys, dtype",
+    [(SPLIT, torch.float32), (SPLIT, torch.bfloat16), (8, torch.bfloat16)],
+    ids=["4-f32", "4-bf16", "8-bf16"],
+)
+@pytest.mark.parametrize("mode", ["window", "compressed", "indexed"])
+def test_many_splits_match_reference_and_both_launches_agree_bitwise(mode, split_keys, dtype):
+    """Windows of several splits, 16 splits of compressed entries or 6 of picks (some of -1, repeats or
+    invisible entries only), keys ending on a split's end, a -inf sink: the reference's result, the same bits
+    from the split launch as from the single pass."""
+    batch = v4_batch(dtype, 16, 4)
+    sinks = torch.randn(batch.q.shape[1], generator=torch.Generator().manual_seed(3))
+    sinks[1] = float("-inf")
+    indices = indices_with_empty_splits(batch, 4) if mode == "indexed" else None
+    split = batch.attend(Launch(16, split_keys, single_pass=False), mode, sinks, indices)
+    single = batch.attend(Launch(16, split_keys, single_pass=True), mode, sinks, indices)
+    assert torch.equal(split, single)
+    expected = batch.attend(ReferenceAttention(batch.layout), mode, sinks, indices)
+    assert_matches(split, expected, keys=WINDOW + max(n for n, _, _ in SEQS) // 4)
+    visible = (batch.positions() + 1) // 4
+    assert ((visible > 0) & (visible % split_keys == 0)).any(), "no entries ending on a split's end"
+
+
+@pytest.mark.usefixtures("fixed_order_dot")
+@pytest.mark.parametrize("mode", ["window", "compressed", "indexed"])
+def test_sequence_rows_bitwise_equal_alone_by_splits_and_in_the_batch_by_either_launch(mode):
+    """A sequence alone takes the split launch (its block table cut to its own blocks: fewer splits in the grid),
+    and the step's batch may take the single pass (the launch follows T): its rows are the same bits. The next
+    test shows that a split size that followed the batch would fail this. In float32: bfloat16's rounding of
+    the output would hide most differences of the fold's float32 rounding."""
+    batch = v4_batch(torch.float32, 16, 4)
+    sinks = torch.randn(batch.q.shape[1], generator=torch.Generator().manual_seed(3))
+    indices = indices_with_empty_splits(batch, 4) if mode == "indexed" else None
+    full = {single: batch.attend(Launch(16, SPLIT, single), mode, sinks, indices) for single in (False, True)}
+    assert torch.equal(full[False], full[True])
+    starts, meta = batch.meta.query_start_loc.tolist(), batch.meta
+    for b, seq_len in enumerate(meta.seq_lens.tolist()):
+        rows, table = slice(starts[b], starts[b + 1]), meta.block_tables[b : b + 1, : -(-seq_len // 16)]
+        alone = AttentionMetadata(
+            torch.tensor([0, rows.stop - rows.start]), meta.seq_lens[b : b + 1], table,
+            meta.slot_mapping[rows], seq_slots=meta.seq_slots[b : b + 1], window_starts=meta.window_starts[b : b + 1],
+        )  # fmt: skip
+        picks = None if indices is None else indices[rows]
+        split = Launch(16, SPLIT, single_pass=False)
+        out = batch.attend(split, mode, sinks, picks, q=batch.q[rows], kv=batch.kv[rows], meta=alone)
+        assert torch.equal(out, full[True][rows]), b
+
+
+@pytest.mark.usefixtures("fixed_order_dot")
+def test_the_split_size_shows_in_the_bits():
+    """Negative control: were the split size chosen by the batch, the test above would see other bits."""
+    batch = v4_batch(torch.float32, 16, 4)
+    sinks = torch.randn(batch.q.shape[1], generator=torch.Generator().manual_seed(3))
+    small, large = (batch.attend(Launch(16, keys, False), "window", sinks) for keys in (SPLIT, 8))
+    assert not torch.equal(small, large)

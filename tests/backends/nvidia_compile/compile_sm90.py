@@ -24,7 +24,11 @@ POINTER_TYPES = {
     torch.int64: "*i64",
     torch.int32: "*i32",
     torch.float8_e4m3fn: "*fp8e4nv",
+    torch.bool: "*i1",
 }
+# PTX a kernel must not contain: round_to_format is bitwise the reference's only with correctly rounded
+# divisions (not div.full / div.approx), no contracted multiply-adds and no flushed subnormals
+FORBIDDEN_PTX = {"_round_kernel": ("div.full", "div.approx", "fma.", ".ftz")}
 compiled: list[str] = []
 
 
@@ -53,12 +57,15 @@ def compile_instead(self: JITFunction, *args, grid, warmup, **kwargs):
     options = {k: kwargs[k] for k in ("num_warps", "num_stages") if k in kwargs}
     kernel = triton.compile(ASTSource(self, signature, constexprs), target=TARGET, options=options)
     assert "cubin" in kernel.asm, f"{self.__name__}: no cubin"
+    for instruction in FORBIDDEN_PTX.get(self.__name__, ()):
+        assert instruction not in kernel.asm["ptx"], f"{self.__name__} {constexprs}: {instruction} in its PTX"
     compiled.append(f"{self.__name__} {sorted(constexprs.items())}")
 
 
 def launch_v4_attention(dtype: torch.dtype) -> None:
     """DeepSeek-V4 Flash's attention layers: 64 heads of 512 over a ring of 128 + 6 and blocks of 128 tokens, the
-    window alone, CSA (rate 4, the entries its indexer of 64 heads of 128 picks, top 512) and HCA (rate 128)."""
+    window alone, CSA (rate 4, the entries its indexer of 64 heads of 128 picks, top 512) and HCA (rate 128), the
+    latter two both split over the keys (and merged) and in a single pass."""
     from deepinfer_core.backend.ops import AttentionMetadata
     from deepinfer_core.kv.layout import CacheKind, CacheSpec
     from deepinfer_nvidia_sm100.kernels import indexer, sparse_attention
@@ -74,13 +81,34 @@ def launch_v4_attention(dtype: torch.dtype) -> None:
         comp_spec = CacheSpec(CacheKind.PAGED, dtype, 1, 512, compress_rate=rate)
         compressed = torch.zeros(6 * (128 // rate), 1, 512, dtype=dtype)
         comp = dict(compressed=compressed, compressed_spec=comp_spec, indices=indices)
-        sparse_attention.sparse_attention(q, kv, ring, ring_spec, meta, 128, sinks=sinks, scale=0.04, **comp)
+        for split in (True, False):  # the split launch (and merge), the single pass
+            sparse_attention.sparse_attention(q, kv, ring, ring_spec, meta, 128, sinks=sinks, scale=0.04, **comp,
+                                              split=split)  # fmt: skip
     keys_spec = CacheSpec(CacheKind.PAGED, dtype, 1, 128, compress_rate=4)
     keys = torch.zeros(6 * 32, 1, 128, dtype=dtype)
     index_q, weights = torch.randn(4, 64, 128).to(dtype), torch.randn(4, 64)
     indexer.indexer_topk(index_q, weights, keys, keys_spec, meta, 128, top_k=512, scale=128**-0.5)
     indexer.indexer_select(index_q, weights, keys, keys_spec, meta, 128, top_k=512, scale=128**-0.5,
                            within=torch.randint(-1, 10, (4, 16)), candidate_block=8, top_blocks=16)  # fmt: skip
+
+
+def launch_v41(dtype: torch.dtype) -> None:
+    """DeepSeek-V4.1's ops: hyper-connections of 4 streams of 5120 (the rms of the mixing GEMM's input, hc_mixes'
+    pre, the collapse by a given pre, the float32 expansion), the block roundings of the window KV and compressed
+    entries ([T, 512]) and of the index keys ([T, 128]) in every format, and the engram gate."""
+    from deepinfer_core.backend.ops import BLOCK_FORMATS
+    from deepinfer_nvidia_sm100.kernels import engram, hyper, rounding
+
+    streams, block_out = torch.randn(3, 4, 5120).to(dtype), torch.randn(3, 5120).to(dtype)
+    hyper.hc_norm(streams, 1e-6)
+    hyper.hc_mix(streams, torch.randn(3, 24), torch.ones(3), torch.zeros(24), 20, 1e-6, collapse=False)
+    hyper.hc_collapse(streams, torch.rand(3, 4))
+    hyper.hc_post(block_out, streams, torch.rand(3, 4), torch.rand(3, 4, 4), round_terms=False)
+    for fmt in BLOCK_FORMATS:
+        for width in (512, 128):
+            rounding.round_to_format(torch.randn(3, width).to(dtype), fmt)
+    dead = torch.zeros(3, dtype=torch.bool)
+    engram.engram_gate(streams, streams, block_out, torch.randn(4, 5120), dead, 1e-6)
 
 
 def launch_everything() -> None:
@@ -113,6 +141,7 @@ def launch_everything() -> None:
                        BlockFP8.quantize(w2.float()), swiglu_limit=10.0)  # fmt: skip
         # DeepSeek-V4 Flash's shapes: 4 streams of 4096, both mixer forms; CSA (2 x 4 slots) and HCA (128) pooling
         streams = torch.randn(3, 4, 4096).to(dtype)
+        hyper.hc_norm(streams, 1e-6)
         for rows in (24, 4):
             hyper.hc_mix(streams, torch.randn(3, rows), torch.ones(3), torch.zeros(rows), 20, 1e-6)
         hyper.hc_post(torch.randn(3, 4096).to(dtype), streams, torch.rand(3, 4), torch.rand(3, 4, 4))
@@ -126,6 +155,7 @@ def launch_everything() -> None:
             attention.paged_attention(torch.randn(4, heads, key).to(dtype), cache, spec, meta, 16, scale=0.1,
                                       value_dim=value, value_offset=offset)  # fmt: skip
         launch_v4_attention(dtype)
+        launch_v41(dtype)
     for config in (
         RoutingConfig(num_experts=64, top_k=6, method="noaux_tc", scoring="sigmoid", normalize=True),
         RoutingConfig(num_experts=256, top_k=8, method="noaux_tc", scoring="sigmoid", num_groups=8, topk_groups=4),

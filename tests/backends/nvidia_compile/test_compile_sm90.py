@@ -1,6 +1,7 @@
 """Every nvidia_sm100 kernel, as its launchers call it, compiles for SM90 without a GPU (see compile_sm90.py):
 the Triton interpreter of the other kernel tests runs Python semantics and accepts code the compiler refuses.
-DeepSeek-V4's kernels and constexpr specialisations (swiglu limit, sqrtsoftplus, hash routing) are compiled too."""
+DeepSeek-V4's kernels and constexpr specialisations (swiglu limit, sqrtsoftplus, hash routing) are compiled too,
+and V4.1's (hc_mixes' pre, hc_expand's float32 sum, the three block formats, the engram gate)."""
 
 from __future__ import annotations
 
@@ -23,12 +24,14 @@ def test_all_kernels_compile_for_sm90():
     expected = {
         *("_rms_norm_kernel", "_rotary_kernel", "_silu_and_mul_kernel", "_matmul_kernel", "_split_sum_kernel"),
         *("_gate_up_kernel", "_down_kernel", "_paged_attention_kernel", "_route_kernel", "_gumbel_kernel"),
-        *("_hc_mix_kernel", "_hc_post_kernel", "_softmax_pool_kernel"),
-        *("_sparse_attention_kernel", "_index_scores_kernel"),
+        *("_hc_mix_kernel", "_hc_post_kernel", "_softmax_pool_kernel", "_hc_norm_kernel", "_hc_collapse_kernel"),
+        *("_round_kernel", "_engram_gate_kernel"),
+        *("_sparse_attention_kernel", "_sparse_attention_split_kernel", "_merge_splits_kernel"),
+        "_index_scores_kernel",
     }
     assert kernels == expected, f"compiled {sorted(kernels)}"
     # DeepSeek-V4's specialisations: the swiglu limit in both activations, sqrtsoftplus scores, hash routing,
-    # both hyper-connection mixer forms
+    # both hyper-connection mixer forms; V4.1's pre in place of the collapse, its float32 expansion, its block formats
     variants = done.stdout.splitlines()
     for kernel, flag in (
         ("_silu_and_mul_kernel", "('HAS_LIMIT', True)"),
@@ -37,5 +40,10 @@ def test_all_kernels_compile_for_sm90():
         ("_route_kernel", "('HASH', True)"),
         ("_hc_mix_kernel", "('HAS_COMB', True)"),
         ("_hc_mix_kernel", "('HAS_COMB', False)"),
+        ("_sparse_attention_kernel", "('INDEXED', True)"),
+        ("_sparse_attention_split_kernel", "('INDEXED', True)"),
+        ("_hc_mix_kernel", "('COLLAPSE', False)"),
+        ("_hc_post_kernel", "('ROUND_TERMS', False)"),
+        *(("_round_kernel", f"('FORMAT', {fmt})") for fmt in range(3)),
     ):
         assert any(v.startswith(kernel + " ") and flag in v for v in variants), f"{kernel} with {flag} not compiled"

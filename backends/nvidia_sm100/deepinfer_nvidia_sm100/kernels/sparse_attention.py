@@ -1,19 +1,39 @@
 """DeepSeek-V4's sparse attention (one shared key = value head): sliding window, compressed entries and sinks.
 
-One program serves one query token for BLOCK_H of its H heads: the heads share the single key = value head,
-so each loaded entry tile [BLOCK_N, D] is multiplied by all of them (q [BLOCK_H, D] x K^T), and serves as
-the values of the same tile. The online softmax (float32, log2 domain) starts from the head's sink logit
-(running max = sink, denominator = 1, no value), then visits
-  (a) the window: positions max(t - window + 1, min(window_start, first)) .. t, read from the sequence's ring
-      (row `seq_slot * ring_size + p % ring_size`) for positions before the step's first token `first`, and
-      from this step's `kv` rows for the others (ring entries before `window_start` are never read);
+A query token t attends, for each of its H heads, to its key sequence:
+  (a) the window: positions since = max(t - window + 1, min(window_start, first)) .. t, read from the sequence's
+      ring (row `seq_slot * ring_size + p % ring_size`) for positions before the step's first token `first`,
+      and from this step's `kv` rows for the others (ring entries before `window_start` are never read);
   (b) compressed entries w < (t + 1) // m: all of them, or those listed in the query's `indices` row, sorted
       on the device beforehand so a repeated entry is skipped by comparing with its left neighbour.
-The caches are ReferenceKVLayout's row-per-slot tensors [rows, 1, D] (the nvidia_sm100 layout). A query's
-result depends only on its own row and metadata, never on the batch around it.
+The caches are ReferenceKVLayout's row-per-slot tensors [rows, 1, D] (the nvidia_sm100 layout).
 
-Per-token metadata (sequence, position, first step position, first kv row) is built with torch ops on the
-device: no host reads, nothing shaped by the batch's contents.
+Splits. The key sequence is cut into splits of SPLIT_KEYS keys: the window's positions from `since` on, then
+the compressed entries (slots of the sorted index row, or entries 0 .. visible - 1), each part on its own, so a
+split never mixes the two. A split's online softmax (float32, log2 domain) starts empty (running max -inf,
+denominator 0) and walks its keys in tiles of BLOCK_N; `_merge` then folds the splits, in split order, into the
+state of the head's sink (running max = the sink logit, denominator 1, no value), and the output is
+acc / denominator. One program serves BLOCK_H heads: they share the key head, so each entry tile [BLOCK_N, D]
+is multiplied by all of them (q [BLOCK_H, D] x K^T) and serves as the values of the same tile.
+
+Two launches compute the same operations in the same order (the same jit functions, the same tiles, explicit
+fmas in the fold), so a query's bits are the same from both:
+  - split (small T): one program per (query, head block, split) stores its split's state in a float32
+    workspace, and `_merge_splits_kernel` folds them per (query, head block, D tile). A decode step of batch 1
+    at V4 Flash's shapes launches 4 x 5 programs of <= 128 keys (CSA: window + top 512) instead of 4 of 640;
+  - single pass (large T: prefill, big batches): one program per (query, head block) computes its splits one
+    after the other and folds each as it goes. No workspace, which would grow as T x splits x H x D.
+The split launch is taken while the single pass's grid (T x head blocks) is under SINGLE_PASS_PROGRAMS (two
+waves of an H200's SMs: past that the single pass fills the GPU, and splitting would only add the workspace's
+traffic), the keys may need more than one split, and the split grid stays within MAX_SPLIT_PROGRAMS (which
+bounds the workspace: 64 MiB at V4 Flash's shapes). All three come from host-known shapes only.
+
+Batch invariance: a query's splits, the keys in each, their order and the fold order are functions of its
+own position, window start, index row and SPLIT_KEYS (a constant, never derived from T or the grid). The grid's
+split axis is a static bound from shapes (window + top_k, or the block-table width x entries per block);
+a program past its query's keys stores an empty state, and folding an empty state leaves the running one as it
+is, bit for bit, so neither that bound nor the launch taken changes a query's result. Per-token metadata
+(sequence, position, first step position, first kv row) is built with torch ops on the device: no host reads.
 """
 
 from __future__ import annotations
@@ -27,6 +47,9 @@ from deepinfer_nvidia_sm100.kernels._common import INTERPRET, dot_in_float32, mm
 __all__ = ["sparse_attention"]
 
 LOG2E = 1.4426950408889634
+SPLIT_KEYS = 128  # keys per split: V4 Flash's window is one split, its top 512 entries four
+SINGLE_PASS_PROGRAMS = 2 * 132  # T x head blocks from which the single pass runs: two waves of an H200
+MAX_SPLIT_PROGRAMS = 2048  # nor is a split grid of more programs launched (workspace: that x BLOCK_H x D x 4 B)
 
 
 @triton.jit
@@ -35,12 +58,40 @@ def _attend(q, keys, visible, m, denom, acc, scale_log2, F32: tl.constexpr):
     scores = mma(q, tl.trans(keys), tl.zeros((q.shape[0], keys.shape[0]), dtype=tl.float32), F32) * scale_log2
     scores = tl.where(visible, scores, float("-inf"))
     m_new = tl.maximum(m, tl.max(scores, axis=1))
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # nothing visible yet (a -inf sink): stay at 0
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # nothing visible yet: stay at 0
     p = tl.exp2(scores - m_safe[:, None])
     alpha = tl.exp2(m - m_safe)
-    denom = denom * alpha + tl.sum(p, axis=1)
+    denom = tl.fma(denom, alpha, tl.sum(p, axis=1))
     acc = mma(p.to(keys.dtype), keys, acc * alpha[:, None], F32)
     return m_new, denom, acc
+
+
+@triton.jit
+def _merge(m, denom, acc, split_m, split_denom, split_acc):
+    """The running state with a split's state folded in. A split that saw nothing (split_m = -inf) leaves it as
+    it is, bit for bit; explicit fmas, so both launches round the fold the same way."""
+    m_new = tl.maximum(m, split_m)
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha, beta = tl.exp2(m - m_safe), tl.exp2(split_m - m_safe)
+    seen = split_m > float("-inf")
+    denom = tl.where(seen, tl.fma(denom, alpha, split_denom * beta), denom)
+    acc = tl.where(seen[:, None], tl.fma(acc, alpha[:, None], split_acc * beta[:, None]), acc)
+    return m_new, denom, acc
+
+
+@triton.jit
+def _sink_state(sinks_ptr, heads, live, BD: tl.constexpr):
+    """The running state before any key: max = the sink logit, denominator exp2(sink - max) = 1, no value."""
+    m = tl.load(sinks_ptr + heads, mask=live, other=0.0).to(tl.float32) * 1.4426950408889634
+    denom = tl.where(m == float("-inf"), 0.0, 1.0)  # a -inf sink is no term at all
+    return m, denom, tl.zeros((heads.shape[0], BD), dtype=tl.float32)
+
+
+@triton.jit
+def _store_out(out_ptr, t, heads, d, mask, denom, acc, so_t, so_h):
+    out = acc / tl.where(denom == 0.0, 1.0, denom)[:, None]
+    out_rows = out_ptr + t.to(tl.int64) * so_t + heads[:, None] * so_h
+    tl.store(out_rows + d[None, :], out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -50,70 +101,170 @@ def _rows(ptr, rows, stride, mask, d, in_d):
 
 
 @triton.jit
+def _query(tok_ptr, window_starts_ptr, T, t, WINDOW: tl.constexpr, RATE: tl.constexpr):
+    """Query t's sequence, position, step's first position and row, first window position and visible entries."""
+    seq = tl.load(tok_ptr + t)  # tok [4, T]: sequence, position, first step position, first step row
+    pos = tl.load(tok_ptr + T + t)
+    first = tl.load(tok_ptr + 2 * T + t)
+    row0 = tl.load(tok_ptr + 3 * T + t)
+    since = tl.maximum(pos - (WINDOW - 1), tl.minimum(tl.load(window_starts_ptr + seq), first))
+    return seq, pos, first, row0, since, (pos + 1) // RATE
+
+
+@triton.jit
+def _window_split(
+    q, split, kv_ptr, ring_ptr, skv, sring, ring_base, since, pos, first, row0, d, in_d, scale_log2,
+    RING: tl.constexpr, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, F32: tl.constexpr,
+):  # fmt: skip
+    """The state over window positions since + split * SPLIT .. (up to pos): ring rows before `first`, this step's
+    rows from `first` on. Empty past pos."""
+    m = tl.full((q.shape[0],), float("-inf"), dtype=tl.float32)
+    denom = tl.zeros((q.shape[0],), dtype=tl.float32)
+    acc = tl.zeros(q.shape, dtype=tl.float32)
+    lo = since + split * SPLIT
+    for start in range(lo, tl.minimum(lo + SPLIT, pos + 1), BLOCK_N):
+        p = start + tl.arange(0, BLOCK_N)
+        in_ring = p < first
+        in_step = (p >= first) & (p <= pos)
+        ring_rows = ring_ptr + (ring_base + p % RING).to(tl.int64) * sring
+        rows = tl.where(in_ring, ring_rows, kv_ptr + (row0 + p - first).to(tl.int64) * skv)  # one load per entry
+        keys = tl.load(rows[:, None] + d[None, :], (in_ring | in_step)[:, None] & in_d[None, :], other=0.0)
+        m, denom, acc = _attend(q, keys, (in_ring | in_step)[None, :], m, denom, acc, scale_log2, F32)
+    return m, denom, acc
+
+
+@triton.jit
+def _compressed_split(
+    q, split, comp_ptr, scomp, table, idx_row, K, visible, d, in_d, scale_log2, PER_BLOCK: tl.constexpr,
+    COMPRESSED: tl.constexpr, INDEXED: tl.constexpr, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, F32: tl.constexpr,
+):  # fmt: skip
+    """The state over compressed split `split`: slots split * SPLIT .. of the sorted index row (-1, not yet
+    visible and repeated entries skipped), or entries split * SPLIT .. visible - 1. Empty past them."""
+    m = tl.full((q.shape[0],), float("-inf"), dtype=tl.float32)
+    denom = tl.zeros((q.shape[0],), dtype=tl.float32)
+    acc = tl.zeros(q.shape, dtype=tl.float32)
+    if COMPRESSED:
+        lo = split * SPLIT
+        if INDEXED:
+            hi = tl.minimum(lo + SPLIT, K)
+            # sorted: a split whose last pick is -1 or whose first is not yet visible picks nothing
+            nothing = (tl.load(idx_row + hi - 1) < 0) | (tl.load(idx_row + lo) >= visible)
+            hi = tl.where(nothing, lo, hi)
+        else:
+            hi = tl.minimum(lo + SPLIT, visible)
+        for start in range(lo, hi, BLOCK_N):
+            k = start + tl.arange(0, BLOCK_N)
+            if INDEXED:
+                w = tl.load(idx_row + k, mask=k < hi, other=-1)
+                before = tl.load(idx_row + k - 1, mask=(k > 0) & (k < hi), other=-1)  # a repeat follows its twin
+                chosen = (w >= 0) & (w < visible) & ((w != before) | (k == 0))
+            else:
+                w = k
+                chosen = k < hi
+            block_id = tl.load(table + w // PER_BLOCK, mask=chosen, other=0)
+            rows = (block_id * PER_BLOCK + w % PER_BLOCK).to(tl.int64)
+            keys = _rows(comp_ptr, rows, scomp, chosen, d, in_d)
+            m, denom, acc = _attend(q, keys.to(q.dtype), chosen[None, :], m, denom, acc, scale_log2, F32)
+    return m, denom, acc
+
+
+@triton.jit
 def _sparse_attention_kernel(
     q_ptr, kv_ptr, ring_ptr, comp_ptr, idx_ptr, sinks_ptr, out_ptr, tok_ptr,
     seq_slots_ptr, window_starts_ptr, tables_ptr, H, T, K, scale_log2,
     sq_t, sq_h, skv, sring, scomp, sidx, so_t, so_h, st_b,
     D: tl.constexpr, BD: tl.constexpr, WINDOW: tl.constexpr, RING: tl.constexpr, RATE: tl.constexpr,
-    PER_BLOCK: tl.constexpr, COMPRESSED: tl.constexpr, INDEXED: tl.constexpr,
+    PER_BLOCK: tl.constexpr, COMPRESSED: tl.constexpr, INDEXED: tl.constexpr, SPLIT: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, F32: tl.constexpr,
 ):  # fmt: skip
+    """Single pass: one program per (query, head block) folds its splits one after the other."""
     t, head_block = tl.program_id(0), tl.program_id(1)
-    seq = tl.load(tok_ptr + t)  # tok [4, T]: sequence, position, first step position, first step row
-    pos = tl.load(tok_ptr + T + t)
-    first = tl.load(tok_ptr + 2 * T + t)
-    row0 = tl.load(tok_ptr + 3 * T + t)
+    seq, pos, first, row0, since, visible = _query(tok_ptr, window_starts_ptr, T, t, WINDOW, RATE)
+    heads = head_block * BLOCK_H + tl.arange(0, BLOCK_H)
+    live = heads < H
+    d = tl.arange(0, BD)
+    in_d = d < D
+    q = _rows(q_ptr + t.to(tl.int64) * sq_t, heads.to(tl.int64), sq_h, live, d, in_d)  # [BLOCK_H, BD]
+    m, denom, acc = _sink_state(sinks_ptr, heads, live, BD)
+
+    ring_base = tl.load(seq_slots_ptr + seq) * RING
+    for split in range(0, (pos - since + SPLIT) // SPLIT):
+        split_m, split_denom, split_acc = _window_split(
+            q, split, kv_ptr, ring_ptr, skv, sring, ring_base, since, pos, first, row0, d, in_d, scale_log2,
+            RING, SPLIT, BLOCK_N, F32,
+        )  # fmt: skip
+        m, denom, acc = _merge(m, denom, acc, split_m, split_denom, split_acc)
+    if COMPRESSED:
+        table, idx_row = tables_ptr + seq.to(tl.int64) * st_b, idx_ptr + t.to(tl.int64) * sidx
+        keys = K if INDEXED else visible
+        for split in range(0, tl.cdiv(keys, SPLIT)):
+            split_m, split_denom, split_acc = _compressed_split(
+                q, split, comp_ptr, scomp, table, idx_row, K, visible, d, in_d, scale_log2,
+                PER_BLOCK, COMPRESSED, INDEXED, SPLIT, BLOCK_N, F32,
+            )  # fmt: skip
+            m, denom, acc = _merge(m, denom, acc, split_m, split_denom, split_acc)
+    _store_out(out_ptr, t, heads, d, live[:, None] & in_d[None, :], denom, acc, so_t, so_h)
+
+
+@triton.jit
+def _sparse_attention_split_kernel(
+    q_ptr, kv_ptr, ring_ptr, comp_ptr, idx_ptr, ws_m_ptr, ws_denom_ptr, ws_acc_ptr, tok_ptr,
+    seq_slots_ptr, window_starts_ptr, tables_ptr, H, T, K, SPLITS, scale_log2,
+    sq_t, sq_h, skv, sring, scomp, sidx, st_b,
+    D: tl.constexpr, BD: tl.constexpr, WINDOW: tl.constexpr, RING: tl.constexpr, RATE: tl.constexpr,
+    PER_BLOCK: tl.constexpr, COMPRESSED: tl.constexpr, INDEXED: tl.constexpr, SPLIT: tl.constexpr,
+    WINDOW_SPLITS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, F32: tl.constexpr,
+):  # fmt: skip
+    """Split launch: one program per (query, head block, split) stores its split's state in the workspace
+    (m, denom [T, SPLITS, H], acc [T, SPLITS, H, D]); splits 0 .. WINDOW_SPLITS - 1 are the window's."""
+    t, head_block, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    seq, pos, first, row0, since, visible = _query(tok_ptr, window_starts_ptr, T, t, WINDOW, RATE)
     heads = head_block * BLOCK_H + tl.arange(0, BLOCK_H)
     live = heads < H
     d = tl.arange(0, BD)
     in_d = d < D
     q = _rows(q_ptr + t.to(tl.int64) * sq_t, heads.to(tl.int64), sq_h, live, d, in_d)  # [BLOCK_H, BD]
 
-    m = tl.load(sinks_ptr + heads, mask=live, other=0.0).to(tl.float32) * 1.4426950408889634  # the sink logit
-    denom = tl.where(m == float("-inf"), 0.0, 1.0)  # exp2(sink - m) = 1, and it carries no value
-    acc = tl.zeros((BLOCK_H, BD), dtype=tl.float32)
+    if split < WINDOW_SPLITS:
+        ring_base = tl.load(seq_slots_ptr + seq) * RING
+        m, denom, acc = _window_split(
+            q, split, kv_ptr, ring_ptr, skv, sring, ring_base, since, pos, first, row0, d, in_d, scale_log2,
+            RING, SPLIT, BLOCK_N, F32,
+        )  # fmt: skip
+    else:
+        table, idx_row = tables_ptr + seq.to(tl.int64) * st_b, idx_ptr + t.to(tl.int64) * sidx
+        m, denom, acc = _compressed_split(
+            q, split - WINDOW_SPLITS, comp_ptr, scomp, table, idx_row, K, visible, d, in_d, scale_log2,
+            PER_BLOCK, COMPRESSED, INDEXED, SPLIT, BLOCK_N, F32,
+        )  # fmt: skip
+    state = (t.to(tl.int64) * SPLITS + split) * H + heads  # [BLOCK_H]
+    tl.store(ws_m_ptr + state, m, mask=live)
+    tl.store(ws_denom_ptr + state, denom, mask=live)
+    seen = live & (m > float("-inf"))  # the merge reads no acc of an empty state
+    tl.store(ws_acc_ptr + state[:, None] * D + d[None, :], acc, mask=seen[:, None] & in_d[None, :])
 
-    # (a) the window: ring entries before `first` (from the window start on), this step's rows from `first`
-    ring_base = tl.load(seq_slots_ptr + seq) * RING
-    since = tl.maximum(pos - (WINDOW - 1), tl.minimum(tl.load(window_starts_ptr + seq), first))
-    for start in range(since, pos + 1, BLOCK_N):
-        p = start + tl.arange(0, BLOCK_N)
-        in_ring = p < first
-        in_step = (p >= first) & (p <= pos)
-        ring_rows = (ring_base + p % RING).to(tl.int64)
-        from_ring = _rows(ring_ptr, ring_rows, sring, in_ring, d, in_d)
-        step_rows = (row0 + p - first).to(tl.int64)
-        from_step = _rows(kv_ptr, step_rows, skv, in_step, d, in_d)
-        keys = tl.where(in_ring[:, None], from_ring, from_step.to(from_ring.dtype))
-        m, denom, acc = _attend(q, keys, (in_ring | in_step)[None, :], m, denom, acc, scale_log2, F32)
 
-    # (b) the compressed entries this query sees: all of them, or the listed ones
-    if COMPRESSED:
-        visible = (pos + 1) // RATE
-        table = tables_ptr + seq.to(tl.int64) * st_b
-        if INDEXED:
-            row = idx_ptr + t.to(tl.int64) * sidx
-            for start in range(0, K, BLOCK_N):
-                k = start + tl.arange(0, BLOCK_N)
-                w = tl.load(row + k, mask=k < K, other=-1)
-                before = tl.load(row + k - 1, mask=(k > 0) & (k < K), other=-1)  # sorted: a repeat follows its twin
-                chosen = (w >= 0) & (w < visible) & ((w != before) | (k == 0))
-                block_id = tl.load(table + w // PER_BLOCK, mask=chosen, other=0)
-                rows = (block_id * PER_BLOCK + w % PER_BLOCK).to(tl.int64)
-                keys = _rows(comp_ptr, rows, scomp, chosen, d, in_d)
-                m, denom, acc = _attend(q, keys.to(q.dtype), chosen[None, :], m, denom, acc, scale_log2, F32)
-        else:
-            for start in range(0, visible, BLOCK_N):
-                w = start + tl.arange(0, BLOCK_N)
-                chosen = w < visible
-                block_id = tl.load(table + w // PER_BLOCK, mask=chosen, other=0)
-                rows = (block_id * PER_BLOCK + w % PER_BLOCK).to(tl.int64)
-                keys = _rows(comp_ptr, rows, scomp, chosen, d, in_d)
-                m, denom, acc = _attend(q, keys.to(q.dtype), chosen[None, :], m, denom, acc, scale_log2, F32)
-
-    out = acc / tl.where(denom == 0.0, 1.0, denom)[:, None]
-    out_rows = out_ptr + t.to(tl.int64) * so_t + heads[:, None] * so_h
-    tl.store(out_rows + d[None, :], out.to(out_ptr.dtype.element_ty), mask=live[:, None] & in_d[None, :])
+@triton.jit
+def _merge_splits_kernel(
+    ws_m_ptr, ws_denom_ptr, ws_acc_ptr, sinks_ptr, out_ptr, H, SPLITS, so_t, so_h,
+    D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    """Folds a (query, head block, D tile)'s split states into its sink's state, in split order, and stores it."""
+    t, head_block, d_block = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    heads = head_block * BLOCK_H + tl.arange(0, BLOCK_H)
+    live = heads < H
+    d = d_block * BLOCK_D + tl.arange(0, BLOCK_D)
+    in_d = d < D
+    m, denom, acc = _sink_state(sinks_ptr, heads, live, BLOCK_D)
+    for split in range(0, SPLITS):
+        state = (t.to(tl.int64) * SPLITS + split) * H + heads
+        split_m = tl.load(ws_m_ptr + state, mask=live, other=float("-inf"))
+        split_denom = tl.load(ws_denom_ptr + state, mask=live, other=0.0)
+        seen = live & (split_m > float("-inf"))
+        tile = seen[:, None] & in_d[None, :]
+        split_acc = tl.load(ws_acc_ptr + state[:, None] * D + d[None, :], mask=tile, other=0.0)
+        m, denom, acc = _merge(m, denom, acc, split_m, split_denom, split_acc)
+    _store_out(out_ptr, t, heads, d, live[:, None] & in_d[None, :], denom, acc, so_t, so_h)
 
 
 def token_metadata(meta, tokens: int) -> torch.Tensor:
@@ -128,37 +279,67 @@ def token_metadata(meta, tokens: int) -> torch.Tensor:
 
 def sparse_attention(
     q, kv, ring, ring_spec, meta, block_size: int, *, sinks, scale: float, compressed=None, compressed_spec=None,
-    indices=None,
+    indices=None, split_keys: int = SPLIT_KEYS, split: bool | None = None,
 ) -> torch.Tensor:  # fmt: skip
-    """q [T, H, D], kv [T, D], ring [rows, 1, D] (and compressed [rows, 1, D]) -> [T, H, D] in q.dtype."""
+    """q [T, H, D], kv [T, D], ring [rows, 1, D] (and compressed [rows, 1, D]) -> [T, H, D] in q.dtype.
+
+    split_keys: keys per split (a power of two; it sets the rounding, so it is fixed in production).
+    split: the split launch (True) or the single pass (False), which give the same bits; None (production)
+    chooses by the shapes, as the module docstring says."""
     tokens, heads, dim = q.shape
     out = torch.empty((tokens, heads, dim), dtype=q.dtype, device=q.device)
     if tokens == 0:
         return out
+    if split_keys < 1 or split_keys & (split_keys - 1):
+        raise ValueError(f"split_keys must be a power of two, got {split_keys}")
     if q.stride(-1) != 1:
         q = q.contiguous()
-    if kv.stride(-1) != 1:
-        kv = kv.contiguous()
+    if kv.stride(-1) != 1 or kv.dtype != ring.dtype:
+        kv = kv.to(ring.dtype).contiguous()  # a window tile reads rows of both
+    tables = meta.block_tables
     rate = per_block = 1
-    comp, idx, top_k = ring, kv, 0  # stand-ins the kernel does not read
+    comp, idx, top_k, compressed_keys = ring, kv, 0, 0  # stand-ins the kernels do not read
     if compressed is not None:
         rate = compressed_spec.compress_rate
         per_block = compressed_spec.entries_per_block(block_size)
-        comp = compressed
+        comp, compressed_keys = compressed, tables.shape[1] * per_block  # at most the table's entries
         if indices is not None:
             idx, top_k = indices.sort(dim=1).values, indices.shape[1]  # sorted: repeats side by side
+            compressed_keys = top_k
+    window_splits = triton.cdiv(ring_spec.window, split_keys)
+    splits = window_splits + triton.cdiv(compressed_keys, split_keys)  # a bound from shapes, never from values
     block_d = max(16, next_pow2(dim))
     block_h = min(max(16, next_pow2(heads)), 16 if block_d >= 256 else 64)
+    head_blocks = triton.cdiv(heads, block_h)
     launch = {} if INTERPRET else {"num_warps": 4 if block_d < 256 else 8, "num_stages": 2}
-    tables = meta.block_tables
-    _sparse_attention_kernel[(tokens, triton.cdiv(heads, block_h))](
-        q, kv, ring, comp, idx, sinks, out, token_metadata(meta, tokens), meta.seq_slots, meta.window_starts,
-        tables, heads, tokens, top_k, scale * LOG2E,
-        q.stride(0), q.stride(1), kv.stride(0), ring.stride(0), comp.stride(0), idx.stride(0),
-        out.stride(0), out.stride(1), tables.stride(0),
+    block_n = min(split_keys, 16 if INTERPRET else (32 if block_d >= 256 else 64))
+    inputs = (q, kv, ring, comp, idx)
+    shared = (token_metadata(meta, tokens), meta.seq_slots, meta.window_starts, tables, heads, tokens, top_k)
+    strides = (q.stride(0), q.stride(1), kv.stride(0), ring.stride(0), comp.stride(0), idx.stride(0))
+    constexprs = dict(
         D=dim, BD=block_d, WINDOW=ring_spec.window, RING=ring_spec.ring_size, RATE=rate, PER_BLOCK=per_block,
-        COMPRESSED=compressed is not None, INDEXED=compressed is not None and indices is not None,
-        BLOCK_H=block_h, BLOCK_N=16 if INTERPRET else (32 if block_d >= 256 else 64),
-        F32=dot_in_float32(q.dtype), **launch,
+        COMPRESSED=compressed is not None, INDEXED=compressed is not None and indices is not None, SPLIT=split_keys,
+        BLOCK_H=block_h, BLOCK_N=block_n, F32=dot_in_float32(q.dtype), **launch,
+    )  # fmt: skip
+    if split is None:
+        split = splits > 1 and tokens * head_blocks < SINGLE_PASS_PROGRAMS
+        split &= tokens * head_blocks * splits <= MAX_SPLIT_PROGRAMS
+    if not split:
+        _sparse_attention_kernel[(tokens, head_blocks)](
+            *inputs, sinks, out, *shared, scale * LOG2E, *strides, out.stride(0), out.stride(1), tables.stride(0),
+            **constexprs,
+        )  # fmt: skip
+        return out
+    ws_m = torch.empty((tokens, splits, heads), dtype=torch.float32, device=q.device)
+    ws_denom = torch.empty((tokens, splits, heads), dtype=torch.float32, device=q.device)
+    ws_acc = torch.empty((tokens, splits, heads, dim), dtype=torch.float32, device=q.device)
+    _sparse_attention_split_kernel[(tokens, head_blocks, splits)](
+        *inputs, ws_m, ws_denom, ws_acc, *shared, splits, scale * LOG2E, *strides, tables.stride(0),
+        WINDOW_SPLITS=window_splits, **constexprs,
+    )  # fmt: skip
+    merge_d = min(block_d, 64)
+    _merge_splits_kernel[(tokens, head_blocks, triton.cdiv(dim, merge_d))](
+        ws_m, ws_denom, ws_acc, sinks, out, heads, splits, out.stride(0), out.stride(1),
+        D=dim, BLOCK_H=block_h, BLOCK_D=merge_d, **({} if INTERPRET else {"num_warps": 4}),
     )  # fmt: skip
     return out
