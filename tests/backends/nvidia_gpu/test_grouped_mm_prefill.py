@@ -33,7 +33,7 @@ def _case(seed: int, rows_per_expert: int):
 @pytest.mark.parametrize("limit", [None, 1.5])
 @pytest.mark.parametrize("row_scaled", [False, True])
 def test_prefill_sizes_take_torch_grouped_mm_and_agree_with_the_reference(monkeypatch, limit, row_scaled):
-    x, counts, w13, w2, scales = _case(0, moe.LARGE_ROWS_PER_EXPERT)
+    x, counts, w13, w2, scales = _case(0, 2 * moe.LARGE_ROWS_PER_EXPERT)  # past the threshold with one expert idle
     calls = []
     grouped = torch._grouped_mm
     monkeypatch.setattr(torch, "_grouped_mm", lambda *a, **k: calls.append(1) or grouped(*a, **k))

@@ -18,7 +18,6 @@ from deepinfer_nvidia_sm100.kernels._common import next_pow2
 
 # the kernel's FORMAT constexpr, by format: 0 fp8 e4m3 / pow2 scale, 1 fp4 e2m1 / pow2 scale, 2 fp4 / e4m3 scale
 FORMATS = {"fp8_e4m3/pow2:32": 0, "fp4_e2m1/pow2:32": 1, "fp4_e2m1/e4m3:16": 2}
-NAN = tl.constexpr(float("nan"))
 
 
 @triton.jit
@@ -81,7 +80,7 @@ def _round_kernel(x_ptr, out_ptr, L, sx_r, FORMAT: tl.constexpr, B: tl.constexpr
     mask = cols < L  # L is whole blocks
     x = tl.load(x_ptr + r * sx_r + cols, mask=mask, other=0.0).to(tl.float32)
     amax = tl.max(tl.abs(x), axis=1)
-    amax = tl.where(tl.max((x != x).to(tl.int32), axis=1) > 0, NAN, amax)[:, None]  # torch's amax keeps a NaN
+    amax = tl.where(tl.max((x != x).to(tl.int32), axis=1) > 0, float("nan"), amax)[:, None]  # torch's amax keeps a NaN
     if FORMAT == 0:
         scale = _pow2ceil(_at_least(amax, 1e-4) * (1 / 448))
         q = _e4m3(_clamp(tl.math.div_rn(x, scale), -448.0, 448.0))
