@@ -208,13 +208,12 @@ def _torch_grouped_mm_takes(x: torch.Tensor, w13, w2) -> bool:
 def _torch_grouped_ffn(x, counts, w13, w2, swiglu_limit, row_scales) -> torch.Tensor:
     """expert_ffn by torch._grouped_mm (default mode, prefill-sized; not batch-invariant): the gate-up GEMM, the
     activation kernel (as the reference rounds it: silu_and_mul of the rounded projections; with row scales,
-    float32 from the float32 projections, times the scale, rounded once), the down GEMM."""
+    in float32 from the rounded projections, times the scale, rounded once), the down GEMM."""
     ends = torch.cumsum(counts, dim=0, dtype=torch.int32)  # [E]: each expert's last row + 1
+    gate_up = torch._grouped_mm(x, w13.transpose(1, 2), offs=ends)  # [N, 2I] in x.dtype (torch 2.11: no other)
     if row_scales is None:
-        gate_up = torch._grouped_mm(x, w13.transpose(1, 2), offs=ends)  # [N, 2I] in x.dtype
         act = silu_and_mul(gate_up, swiglu_limit)
     else:
-        gate_up = torch._grouped_mm(x, w13.transpose(1, 2), offs=ends, out_dtype=torch.float32)
-        scaled = silu_and_mul(gate_up, swiglu_limit) * row_scales.to(torch.float32)[:, None]
+        scaled = silu_and_mul(gate_up.float(), swiglu_limit) * row_scales.to(torch.float32)[:, None]
         act = scaled.to(x.dtype)
     return torch._grouped_mm(act, w2.transpose(1, 2), offs=ends)
