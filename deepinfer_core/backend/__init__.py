@@ -17,12 +17,14 @@ from deepinfer_core.backend.ops import (
     V4Ops,
     V41AttentionOps,
     V41Ops,
+    block_length,
 )
 from deepinfer_core.backend.types import BackendInfo, Capabilities, DeviceFacts, ProbeResult
 
 __all__ = [
     "API_VERSION",
     "BLOCK_FORMATS",
+    "block_length",
     "OP_NAMES",
     "V4_OPS",
     "V41_OPS",

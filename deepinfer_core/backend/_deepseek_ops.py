@@ -13,6 +13,7 @@ if TYPE_CHECKING:  # ops imports this module for OP_NAMES and re-exports its nam
 
 __all__ = [
     "BLOCK_FORMATS",
+    "block_length",
     "V4_OPS",
     "V41_OPS",
     "V4AttentionOps",
@@ -45,6 +46,20 @@ V41_OPS = (
 )
 # The block formats `round_to_format` rounds to: "<element format>/<scale format>:<block length>".
 BLOCK_FORMATS = ("fp8_e4m3/pow2:32", "fp4_e2m1/pow2:32", "fp4_e2m1/e4m3:16")
+
+
+def block_length(fmt: str, x: torch.Tensor) -> int:
+    """The block length of block format `fmt` for `round_to_format(x, fmt)`; ValueError (what to pass instead)
+    for a format not in BLOCK_FORMATS or an x whose last dim the block does not divide."""
+    if fmt not in BLOCK_FORMATS:
+        raise ValueError(f"unknown block format {fmt!r}; round_to_format knows {', '.join(BLOCK_FORMATS)}")
+    block = int(fmt.rsplit(":", 1)[1])
+    if x.shape[-1] % block:
+        raise ValueError(
+            f"{fmt} rounds blocks of {block} along the last dim, which is {x.shape[-1]} here: "
+            f"pass a tensor whose last dim is a multiple of {block}"
+        )
+    return block
 
 
 @runtime_checkable

@@ -25,6 +25,7 @@ from deepinfer_core.backend._deepseek_ops import (  # the DeepSeek-V4/V4.1-only 
     V4Ops,
     V41AttentionOps,
     V41Ops,
+    block_length,
 )
 from deepinfer_core.kv.layout import CacheSpec
 
@@ -32,6 +33,7 @@ __all__ = [
     "AttentionMetadata",
     "AttentionOps",
     "BLOCK_FORMATS",
+    "block_length",
     "BlockFP8",
     "Ops",
     "RoutingConfig",

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from deepinfer_core.backend.ops import BLOCK_FORMATS, BlockFP8, RoutingConfig
+from deepinfer_core.backend.ops import BlockFP8, RoutingConfig, block_length
 
 __all__ = ["ReferenceOps"]
 
@@ -227,14 +227,7 @@ class ReferenceOps:
         return (post.float()[:, :, None] * block_out.float()[:, None, :] + mixed).to(streams.dtype)
 
     def round_to_format(self, x: torch.Tensor, fmt: str) -> torch.Tensor:
-        if fmt not in BLOCK_FORMATS:
-            raise ValueError(f"unknown block format {fmt!r}; round_to_format knows {', '.join(BLOCK_FORMATS)}")
-        block = int(fmt.rsplit(":", 1)[1])
-        if x.shape[-1] % block:
-            raise ValueError(
-                f"{fmt} rounds blocks of {block} along the last dim, which is {x.shape[-1]} here: "
-                f"pass a tensor whose last dim is a multiple of {block}"
-            )
+        block = block_length(fmt, x)
         blocks = x.float().unflatten(-1, (-1, block))  # [..., L / block, block]
         amax = blocks.abs().amax(dim=-1, keepdim=True)  # [..., L / block, 1]
         if fmt == "fp8_e4m3/pow2:32":

@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from deepinfer_core.backend.ops import BLOCK_FORMATS
+from deepinfer_core.backend.ops import block_length
 from deepinfer_nvidia_sm100.kernels._common import next_pow2
 
 # the kernel's FORMAT constexpr, by format: 0 fp8 e4m3 / pow2 scale, 1 fp4 e2m1 / pow2 scale, 2 fp4 / e4m3 scale
@@ -96,14 +96,7 @@ def _round_kernel(x_ptr, out_ptr, L, sx_r, FORMAT: tl.constexpr, B: tl.constexpr
 def round_to_format(x: torch.Tensor, fmt: str) -> torch.Tensor:
     """x [..., L] -> the value each block of L takes in block format `fmt` (see V41Ops.round_to_format), x's
     shape and dtype; ValueError for an unknown format or an L the block does not divide."""
-    if fmt not in BLOCK_FORMATS:
-        raise ValueError(f"unknown block format {fmt!r}; round_to_format knows {', '.join(BLOCK_FORMATS)}")
-    block = int(fmt.rsplit(":", 1)[1])
-    if x.shape[-1] % block:
-        raise ValueError(
-            f"{fmt} rounds blocks of {block} along the last dim, which is {x.shape[-1]} here: "
-            f"pass a tensor whose last dim is a multiple of {block}"
-        )
+    block = block_length(fmt, x)
     rows = x.reshape(-1, x.shape[-1])  # [R, L]
     if rows.stride(-1) != 1:
         rows = rows.contiguous()

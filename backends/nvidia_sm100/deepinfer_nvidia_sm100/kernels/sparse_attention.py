@@ -112,6 +112,16 @@ def _query(tok_ptr, window_starts_ptr, T, t, WINDOW: tl.constexpr, RATE: tl.cons
 
 
 @triton.jit
+def _query_heads(q_ptr, t, head_block, H, sq_t, sq_h, D: tl.constexpr, BD: tl.constexpr, BLOCK_H: tl.constexpr):
+    """Head block `head_block` of query t: (heads, live heads, d, d < D, q [BLOCK_H, BD])."""
+    heads = head_block * BLOCK_H + tl.arange(0, BLOCK_H)
+    live = heads < H
+    d = tl.arange(0, BD)
+    in_d = d < D
+    return heads, live, d, in_d, _rows(q_ptr + t.to(tl.int64) * sq_t, heads.to(tl.int64), sq_h, live, d, in_d)
+
+
+@triton.jit
 def _window_split(
     q, split, kv_ptr, ring_ptr, skv, sring, ring_base, since, pos, first, row0, d, in_d, scale_log2,
     RING: tl.constexpr, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, F32: tl.constexpr,
@@ -180,11 +190,7 @@ def _sparse_attention_kernel(
     """Single pass: one program per (query, head block) folds its splits one after the other."""
     t, head_block = tl.program_id(0), tl.program_id(1)
     seq, pos, first, row0, since, visible = _query(tok_ptr, window_starts_ptr, T, t, WINDOW, RATE)
-    heads = head_block * BLOCK_H + tl.arange(0, BLOCK_H)
-    live = heads < H
-    d = tl.arange(0, BD)
-    in_d = d < D
-    q = _rows(q_ptr + t.to(tl.int64) * sq_t, heads.to(tl.int64), sq_h, live, d, in_d)  # [BLOCK_H, BD]
+    heads, live, d, in_d, q = _query_heads(q_ptr, t, head_block, H, sq_t, sq_h, D, BD, BLOCK_H)
     m, denom, acc = _sink_state(sinks_ptr, heads, live, BD)
 
     ring_base = tl.load(seq_slots_ptr + seq) * RING
@@ -219,11 +225,7 @@ def _sparse_attention_split_kernel(
     (m, denom [T, SPLITS, H], acc [T, SPLITS, H, D]); splits 0 .. WINDOW_SPLITS - 1 are the window's."""
     t, head_block, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     seq, pos, first, row0, since, visible = _query(tok_ptr, window_starts_ptr, T, t, WINDOW, RATE)
-    heads = head_block * BLOCK_H + tl.arange(0, BLOCK_H)
-    live = heads < H
-    d = tl.arange(0, BD)
-    in_d = d < D
-    q = _rows(q_ptr + t.to(tl.int64) * sq_t, heads.to(tl.int64), sq_h, live, d, in_d)  # [BLOCK_H, BD]
+    heads, live, d, in_d, q = _query_heads(q_ptr, t, head_block, H, sq_t, sq_h, D, BD, BLOCK_H)
 
     if split < WINDOW_SPLITS:
         ring_base = tl.load(seq_slots_ptr + seq) * RING
