@@ -121,6 +121,7 @@ class CapabilitiesReport(BaseModel):
     cache_kinds: list[str]
     block_sizes: list[int]
     kv_dtypes: list[str]
+    kv_formats: list[str] = Field(default_factory=list)  # added in a later report; older ones lack it
     batch_invariant: bool
     deterministic_sampling: bool
     graph_capture: bool

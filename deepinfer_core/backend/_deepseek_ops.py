@@ -6,6 +6,7 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import torch
 
+from deepinfer_core.kv.formats import BLOCK_FORMATS  # "<element>/<scale>:<block length>", defined there
 from deepinfer_core.kv.layout import CacheSpec
 
 if TYPE_CHECKING:  # ops imports this module for OP_NAMES and re-exports its names
@@ -44,8 +45,6 @@ V41_OPS = (
     "indexer_select",
     "expert_row_scales",  # op feature of expert_ffn: the routing weight applied before w2
 )
-# The block formats `round_to_format` rounds to: "<element format>/<scale format>:<block length>".
-BLOCK_FORMATS = ("fp8_e4m3/pow2:32", "fp4_e2m1/pow2:32", "fp4_e2m1/e4m3:16")
 
 
 def block_length(fmt: str, x: torch.Tensor) -> int:

@@ -28,6 +28,9 @@ class Capabilities:
     cache_kinds: tuple[CacheKind, ...]
     block_sizes: tuple[int, ...] = (128,)  # paged-KV block sizes it accepts; the first is preferred
     kv_dtypes: tuple[str, ...] = ()  # KV-cache storage dtypes; empty means "the compute dtypes"
+    # block formats (kv.formats.BLOCK_FORMATS) its KV layout stores a cache in, bytes and all, where the cache's
+    # CacheSpec names one as stored_format (the others it stores as canonical entries of the spec's dtype)
+    kv_formats: tuple[str, ...] = ()
     # a request's logits are bitwise the same whatever else is in the batch, its position in it, and
     # however its prompt was split into prefill chunks (the conformance suite checks all three)
     batch_invariant: bool = False
@@ -53,6 +56,7 @@ class Capabilities:
             "cache_kinds": [kind.value for kind in self.cache_kinds],
             "block_sizes": list(self.block_sizes),
             "kv_dtypes": list(self.kv_dtypes or self.dtypes),
+            "kv_formats": list(self.kv_formats),
             "batch_invariant": self.batch_invariant,
             "deterministic_sampling": self.deterministic_sampling,
             "graph_capture": self.graph_capture,

@@ -85,7 +85,7 @@ class Engine:
         block_size = backend.kv_layout.block_size
         num_blocks = config.num_kv_blocks or blocks_for_memory(
             model.cache_specs,
-            block_size,
+            backend.kv_layout,
             config.kv_cache_memory_bytes,
             num_seqs=config.scheduler.max_num_seqs,
             max_model_len=self.max_model_len,

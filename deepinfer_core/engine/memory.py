@@ -9,6 +9,7 @@ from deepinfer_core.backend.resolve import ResolvedBackend
 from deepinfer_core.backend.types import DeviceFacts
 from deepinfer_core.errors import DeepInferError
 from deepinfer_core.kv.caches import LayerSpecs, block_bytes, sequence_bytes
+from deepinfer_core.kv.layout import KVLayout
 
 __all__ = ["blocks_for_memory", "check_utilization", "kv_budget_from_utilization", "model_bytes"]
 
@@ -75,16 +76,17 @@ def kv_budget_from_utilization(fraction: float, device: DeviceFacts, weights: in
 
 
 def blocks_for_memory(
-    specs: LayerSpecs, block_size: int, memory_bytes: int, *, num_seqs: int, max_model_len: int
+    specs: LayerSpecs, layout: KVLayout, memory_bytes: int, *, num_seqs: int, max_model_len: int
 ) -> int:
     """Blocks that fit in `memory_bytes` once every one of `num_seqs` sequence slots' per-sequence caches is
-    set aside.
+    set aside, with entries as `layout` stores them.
 
     A model without paged caches (a DeepSeek-V4 whose layers are all sliding-window) stores nothing per
     block: its blocks only count tokens, and it gets enough for every sequence slot to reach max_model_len.
     """
-    per_sequence = sequence_bytes(specs) * num_seqs
-    per_block = block_bytes(specs, block_size)
+    block_size = layout.block_size
+    per_sequence = sequence_bytes(specs, layout) * num_seqs
+    per_block = block_bytes(specs, block_size, layout)
     if per_block == 0:
         blocks = num_seqs * -(-max_model_len // block_size) if per_sequence <= memory_bytes else 0
     else:

@@ -19,30 +19,32 @@ __all__ = ["LayerSpecs", "allocate_caches", "block_bytes", "sequence_bytes"]
 LayerSpecs = Sequence[dict[str, CacheSpec]]
 
 
-def _entry_bytes(spec: CacheSpec) -> int:
+def _entry_bytes(spec: CacheSpec, layout: KVLayout | None) -> int:
+    """The layout's `entry_bytes` (KVLayout's optional method), else the canonical entry's bytes."""
+    if layout is not None and hasattr(layout, "entry_bytes"):
+        return layout.entry_bytes(spec)
     return math.prod(spec.entry_shape) * spec.dtype.itemsize
 
 
-def block_bytes(specs: LayerSpecs, block_size: int) -> int:
-    """Bytes one paged block (of block_size tokens) takes across every layer's PAGED caches."""
+def block_bytes(specs: LayerSpecs, block_size: int, layout: KVLayout | None = None) -> int:
+    """Bytes one paged block (of block_size tokens) takes across every layer's PAGED caches, as `layout`
+    stores them (None: canonical entries)."""
     return sum(
-        spec.entries_per_block(block_size) * _entry_bytes(spec)
+        spec.entries_per_block(block_size) * _entry_bytes(spec, layout)
         for layer in specs
         for spec in layer.values()
         if spec.kind is CacheKind.PAGED
     )
 
 
-def sequence_bytes(specs: LayerSpecs) -> int:
-    """Bytes one sequence slot takes across every layer's per-sequence caches."""
-    total = 0
-    for layer in specs:
-        for spec in layer.values():
-            if spec.kind is CacheKind.SLIDING_WINDOW:
-                total += spec.ring_size * _entry_bytes(spec)
-            elif spec.kind is CacheKind.SEQUENCE_STATE:
-                total += _entry_bytes(spec)
-    return total
+def sequence_bytes(specs: LayerSpecs, layout: KVLayout | None = None) -> int:
+    """Bytes one sequence slot takes across every layer's per-sequence caches, as `layout` stores them."""
+    return sum(
+        (spec.ring_size if spec.kind is CacheKind.SLIDING_WINDOW else 1) * _entry_bytes(spec, layout)
+        for layer in specs
+        for spec in layer.values()
+        if spec.kind is not CacheKind.PAGED
+    )
 
 
 def allocate_caches(

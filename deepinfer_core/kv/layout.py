@@ -21,6 +21,8 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
+from deepinfer_core.kv.formats import BlockFormat
+
 __all__ = ["CacheKind", "CacheSpec", "KVLayout", "compressed_slots", "paged_slots", "ring_slots"]
 
 
@@ -48,6 +50,9 @@ class CacheSpec:
     # part. The canonical entry is always the parts side by side.
     parts: tuple[int, ...] = ()
     compress_rate: int = 1  # PAGED: original tokens per entry (V4's compressed KV)
+    # a block format (kv.formats.BLOCK_FORMATS) every value written is already rounded to, so a layout may
+    # store the entries in it (kv.formats.pack), gather giving them back exactly; "" = none
+    stored_format: str = ""
 
     def __post_init__(self) -> None:
         if self.kind is CacheKind.SEQUENCE_STATE:
@@ -61,6 +66,16 @@ class CacheSpec:
             raise ValueError(f"compress_rate {self.compress_rate}: must be >= 1, and > 1 only for PAGED caches")
         if self.parts and (sum(self.parts) != self.head_dim or min(self.parts) < 1):
             raise ValueError(f"parts {self.parts} must be positive and sum to head_dim {self.head_dim}")
+        if self.stored_format:
+            if self.kind is CacheKind.SEQUENCE_STATE:
+                raise ValueError("a SEQUENCE_STATE cache has no stored_format")
+            BlockFormat.of(self.stored_format).check_dim(self.head_dim)
+
+    def slots_per_unit(self, block_size: int) -> int:
+        """Slot ids one allocation unit holds: entries per block (PAGED), ring slots (SLIDING_WINDOW), 1 (STATE)."""
+        if self.kind is CacheKind.PAGED:
+            return self.entries_per_block(block_size)
+        return self.ring_size if self.kind is CacheKind.SLIDING_WINDOW else 1
 
     @property
     def ring_size(self) -> int:
@@ -96,6 +111,9 @@ class KVLayout(Protocol):
     def gather(self, cache: torch.Tensor, spec: CacheSpec, slots: torch.Tensor) -> torch.Tensor:
         """The canonical view: entries at `slots` [N] as a new [N, *spec.entry_shape] tensor (a copy)."""
         ...
+
+    # Optional: `entry_bytes(spec) -> int`, the bytes one slot of `spec` takes (what core sizes the caches by);
+    # without it, core counts the canonical entry, prod(spec.entry_shape) * spec.dtype.itemsize.
 
 
 def paged_slots(block_table: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:

@@ -6,7 +6,8 @@ token, the CED decoder) and, being an index source too, projects the group's ind
 publish a top-k of entries for this step's queries; the layers after them reuse it. The candidate source
 also publishes each query's best entry blocks, which restrict every later index source ("reindex").
 
-What a layer caches (names in `cache_specs`; the group's caches live on its KV source only):
+What a layer caches (names in `cache_specs`; the group's caches live on its KV source only; each KV cache's
+spec names the format its values are rounded to, `stored_format`, so a layout may store it packed):
   window            SLIDING_WINDOW ring of the K = V entries, FP8-rounded            (every layer)
   compressed        PAGED entries, block_size / ratio per block, FP4-rounded          (KV sources)
   index_keys        PAGED indexer keys, one per compressed entry, FP4-rounded        (KV sources)
@@ -40,6 +41,12 @@ def _rounded(ops, x: torch.Tensor, fmt: tuple[str, int]) -> torch.Tensor:
     return ops.round_to_format(x, name) if x.shape[-1] % block == 0 else x
 
 
+def _stored(fmt: tuple[str, int], dim: int) -> str:
+    """A cache's stored_format: what `_rounded` rounds its `dim`-vectors to, or "" where it leaves them."""
+    name, block = fmt
+    return name if dim % block == 0 else ""
+
+
 @dataclass
 class SharedIndices:
     """What index sources publish for the layers after them, within one step."""
@@ -65,14 +72,19 @@ class GroupCompressor:
         self.w_kv = w[f"{prefix}.compressor.wkv.weight"]  # [Dh, D]
         self.w_gate = w[f"{prefix}.compressor.wgate.weight"] if ratio > 1 else None
         self.norm = w[f"{prefix}.compressor.norm.weight"]
-        self.entry_spec = CacheSpec(CacheKind.PAGED, backend.dtype, 1, dh, compress_rate=ratio)
+        self.entry_spec = CacheSpec(
+            CacheKind.PAGED, backend.dtype, 1, dh, compress_rate=ratio, stored_format=_stored(ENTRY_FORMAT, dh)
+        )
         self.state_spec = None
         if ratio > 1:
             self.w_kv_gate = torch.cat([self.w_kv, self.w_gate]).float()  # projected in float32
             self.state_spec = CacheSpec(CacheKind.SEQUENCE_STATE, torch.float32, state_shape=(ratio, 2 * dh))
         self.w_keys = w[f"{prefix}.indexer.wk.weight"]  # [Di, Dh]
         self.key_norm = w[f"{prefix}.indexer.k_norm.weight"]
-        self.key_spec = CacheSpec(CacheKind.PAGED, backend.dtype, 1, cfg.index_head_dim, compress_rate=ratio)
+        di = cfg.index_head_dim
+        self.key_spec = CacheSpec(
+            CacheKind.PAGED, backend.dtype, 1, di, compress_rate=ratio, stored_format=_stored(INDEX_FORMAT, di)
+        )
 
     def _latents(self, x: torch.Tensor, step: V4Step, caches: dict) -> tuple[torch.Tensor, object]:
         """The normalised, unroped latents [E, Dh] of the entries this step finishes, and the plan."""
@@ -129,7 +141,13 @@ class V41Attention:
         self.wo_a = w[f"{prefix}.wo_a.weight"].view(cfg.o_groups, cfg.o_lora_rank, heads * dh // cfg.o_groups)
         self.wo_b, self.sinks = w[f"{prefix}.wo_b.weight"], w[f"{prefix}.attn_sink"].float()
         self.window_spec = CacheSpec(
-            CacheKind.SLIDING_WINDOW, backend.dtype, 1, dh, window=cfg.sliding_window, rollback_slots=ROLLBACK_SLOTS
+            CacheKind.SLIDING_WINDOW,
+            backend.dtype,
+            1,
+            dh,
+            window=cfg.sliding_window,
+            rollback_slots=ROLLBACK_SLOTS,
+            stored_format=_stored(WINDOW_FORMAT, dh),
         )
         self.cache_specs = {"window": self.window_spec}
         self.compressor = None

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from deepinfer_core.kv.layout import CacheKind, CacheSpec
+from deepinfer_core.kv.layout import CacheSpec
 
 __all__ = ["ReferenceKVLayout"]
 
@@ -17,15 +17,9 @@ class ReferenceKVLayout:
         self.device = device
         self.block_size = block_size
 
-    def _rows(self, spec: CacheSpec, num_units: int) -> int:
-        if spec.kind is CacheKind.PAGED:
-            return num_units * spec.entries_per_block(self.block_size)
-        if spec.kind is CacheKind.SLIDING_WINDOW:
-            return num_units * spec.ring_size
-        return num_units
-
     def allocate(self, spec: CacheSpec, num_units: int) -> torch.Tensor:
-        return torch.zeros((self._rows(spec, num_units), *spec.entry_shape), dtype=spec.dtype, device=self.device)
+        rows = num_units * spec.slots_per_unit(self.block_size)
+        return torch.zeros((rows, *spec.entry_shape), dtype=spec.dtype, device=self.device)
 
     def write(self, cache: torch.Tensor, spec: CacheSpec, slots: torch.Tensor, values: torch.Tensor) -> None:
         cache[slots] = values.to(cache.dtype)

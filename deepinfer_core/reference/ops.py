@@ -6,35 +6,13 @@ import torch
 import torch.nn.functional as F
 
 from deepinfer_core.backend.ops import BlockFP8, RoutingConfig, block_length
+from deepinfer_core.kv.formats import round_blocks
 
 __all__ = ["ReferenceOps"]
-
-E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # the magnitudes of FP4 e2m1, by code
-
 
 def _descending(scores: torch.Tensor, k: int) -> torch.Tensor:
     """Indices of the k largest along the last dim; equal scores go to the lower index (the contract's tie rule)."""
     return scores.sort(dim=-1, descending=True, stable=True).indices[..., :k]
-
-
-def _pow2ceil(t: torch.Tensor) -> torch.Tensor:
-    """2^(e - 127 + (m != 0)) from the float32 bits of t >= 0 (exponent field e, mantissa field m):
-    2^ceil(log2 t) for normal t, computed from the bits so no log rounds."""
-    bits = t.float().view(torch.int32)
-    power = ((bits >> 23) & 0xFF) - 127 + ((bits & 0x7FFFFF) != 0).to(torch.int32)
-    return ((power + 127) << 23).view(torch.float32)  # the float32 with exponent `power`, mantissa 0
-
-
-def _round_e2m1(q: torch.Tensor) -> torch.Tensor:
-    """q in [-6, 6] to the nearest FP4 e2m1 value, ties to the even code; a zero result is +0."""
-    a = q.abs()
-    # the code counts the boundaries passed: a tie goes down at 0.25, 1.25, 2.5, 5 (to the even codes 0, 2,
-    # 4, 6) and up at 0.75, 1.75, 3.5 (to codes 2, 4, 6)
-    code = sum((a > b).long() for b in (0.25, 1.25, 2.5, 5.0)) + sum((a >= b).long() for b in (0.75, 1.75, 3.5))
-    # E2M1_VALUES[code] in arithmetic (no host table to copy: device graphs capture this): code / 2 below 4,
-    # code - 2 from 4 to 6, then 6
-    magnitude = torch.where(code < 4, code * 0.5, torch.where(code < 7, code - 2.0, 6.0)).to(q.dtype)
-    return torch.where((q < 0) & (magnitude > 0), -magnitude, magnitude)
 
 
 class ReferenceOps:
@@ -227,19 +205,8 @@ class ReferenceOps:
         return (post.float()[:, :, None] * block_out.float()[:, None, :] + mixed).to(streams.dtype)
 
     def round_to_format(self, x: torch.Tensor, fmt: str) -> torch.Tensor:
-        block = block_length(fmt, x)
-        blocks = x.float().unflatten(-1, (-1, block))  # [..., L / block, block]
-        amax = blocks.abs().amax(dim=-1, keepdim=True)  # [..., L / block, 1]
-        if fmt == "fp8_e4m3/pow2:32":
-            scale = _pow2ceil(amax.clamp_min(1e-4) * (1 / 448))
-            q = (blocks / scale).clamp(-448, 448).to(torch.float8_e4m3fn).float()
-        elif fmt == "fp4_e2m1/pow2:32":
-            scale = _pow2ceil(amax.clamp_min(6 * 2**-126) * (1 / 6))
-            q = _round_e2m1((blocks / scale).clamp(-6, 6))
-        else:  # "fp4_e2m1/e4m3:16": the scale itself rounded to e4m3
-            scale = (amax.clamp_min(6 * 2**-9) / 6).to(torch.float8_e4m3fn).float()
-            q = _round_e2m1((blocks / scale).clamp(-6, 6))
-        return (q * scale).flatten(-2).to(x.dtype)
+        block_length(fmt, x)  # the contract's refusals
+        return round_blocks(x, fmt)
 
     def engram_gate(
         self,

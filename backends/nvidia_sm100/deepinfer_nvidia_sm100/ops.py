@@ -22,7 +22,9 @@ import torch
 import torch.nn.functional as F
 
 from deepinfer_core.backend.ops import AttentionMetadata, BlockFP8, RoutingConfig
+from deepinfer_core.kv.formats import BlockFormat
 from deepinfer_core.kv.layout import CacheSpec, KVLayout
+from deepinfer_core.kv.packed import PackedKVLayout
 from deepinfer_core.reference.kv import ReferenceKVLayout
 from deepinfer_nvidia_sm100.kernels import (
     attention,
@@ -181,10 +183,11 @@ class NvidiaOps:
 
 class NvidiaAttention:
     """Implements AttentionOps, V4AttentionOps and V41AttentionOps by Triton kernels over the row-per-slot
-    caches of `ReferenceKVLayout` (paged, compressed paged, sliding-window rings), with no host reads.
+    caches of `PackedKVLayout` (paged, compressed paged, sliding-window rings; DeepSeek-V4.1's KV in FP8 / FP4)
+    or `ReferenceKVLayout`, with no host reads.
 
     sparse_attention, indexer_topk and indexer_select read q and caches of one float32 / bfloat16 / float16
-    dtype (the backend's caches are in its compute dtype), one cached head; anything else is refused with a
+    dtype, or caches packed in their spec's stored_format, one cached head; anything else is refused with a
     ValueError that says what was passed (nothing falls back to the reference's PyTorch code).
     """
 
@@ -223,19 +226,31 @@ class NvidiaAttention:
     def _check_reads(self, op: str, q: torch.Tensor, tensors: list) -> None:
         """Raise ValueError unless the kernels read q and `tensors` [(name, tensor, its CacheSpec or None)]."""
         why = None
-        if not isinstance(self.layout, ReferenceKVLayout):
-            why = f"the KV layout is {type(self.layout).__name__}, not the backend's row-per-slot ReferenceKVLayout"
+        if not isinstance(self.layout, (PackedKVLayout, ReferenceKVLayout)):
+            why = f"the KV layout is {type(self.layout).__name__}, not a row-per-slot PackedKVLayout"
         elif q.dtype not in (torch.float32, torch.bfloat16, torch.float16):
             why = f"q is {q.dtype}; the kernels take float32, bfloat16 or float16"
         for name, t, spec in tensors if why is None else ():
-            if t.dtype != q.dtype:
-                why = f"{name} is {t.dtype} and q {q.dtype}; q and the caches must share one dtype"
-            elif spec is not None and (spec.num_heads != 1 or tuple(t.shape[1:]) != (1, q.shape[-1])):
-                why = f"{name} holds entries {tuple(t.shape[1:])}; the kernels read one head of q's {q.shape[-1]} dims"
+            why = self._unreadable(name, t, spec, q)
             if why is not None:
                 break
         if why is not None:
             raise ValueError(f"nvidia_sm100 {op}: {why}")
+
+    @staticmethod
+    def _unreadable(name: str, t: torch.Tensor, spec: CacheSpec | None, q: torch.Tensor) -> str | None:
+        """Why the kernels cannot read cache `name` (a plain row of q's dtype, or packed in spec's format)."""
+        dim = q.shape[-1]
+        if spec is not None and spec.stored_format and t.dtype == torch.uint8:
+            if spec.num_heads != 1 or tuple(t.shape[1:]) != (BlockFormat.of(spec.stored_format).row_bytes(dim),):
+                fmt = spec.stored_format
+                return f"{name} holds packed rows {tuple(t.shape[1:])}; the kernels read one {fmt} head of {dim} dims"
+            return None
+        if t.dtype != q.dtype:
+            return f"{name} is {t.dtype} and q {q.dtype}; q and the caches must share one dtype"
+        if spec is not None and (spec.num_heads != 1 or tuple(t.shape[1:]) != (1, dim)):
+            return f"{name} holds entries {tuple(t.shape[1:])}; the kernels read one head of q's {dim} dims"
+        return None
 
     def indexer_topk(
         self,

@@ -13,6 +13,7 @@ import os
 import torch
 
 from deepinfer_core.backend import API_VERSION, BackendInfo, Capabilities, DeviceFacts, ProbeResult, hookimpl
+from deepinfer_core.kv.formats import BLOCK_FORMATS
 from deepinfer_core.kv.layout import CacheKind
 
 DEEPINFER_API_VERSION = API_VERSION
@@ -34,8 +35,11 @@ def deepinfer_backend_info():
 def deepinfer_backend_capabilities():
     return Capabilities(
         dtypes=("bfloat16", "float32"),
-        # PAGED (compressed too), SLIDING_WINDOW, SEQUENCE_STATE: ReferenceKVLayout's row-per-slot caches
+        # PAGED (compressed too), SLIDING_WINDOW, SEQUENCE_STATE: PackedKVLayout's row-per-slot caches
         cache_kinds=(CacheKind.PAGED, CacheKind.SLIDING_WINDOW, CacheKind.SEQUENCE_STATE),
+        # DeepSeek-V4.1's window KV in FP8, compressed entries and indexer keys in FP4, as packed bytes that the
+        # attention and indexer kernels decode in registers (kernels.packed)
+        kv_formats=BLOCK_FORMATS,
         block_sizes=(128, 64, 32, 16),
         # on request: fixed-tiling Triton GEMMs replace cuBLAS (ops.NvidiaOps); every other op is row-local, V4's
         # and V4.1's included (the conformance suite's bitwise cases run a tiny V4 as well as a tiny V3)
@@ -109,9 +113,9 @@ def deepinfer_backend_ops(batch_invariant):
 
 @hookimpl
 def deepinfer_backend_kv_layout(device, block_size):
-    from deepinfer_core.reference.kv import ReferenceKVLayout  # row per slot: the layout the kernels read
+    from deepinfer_core.kv.packed import PackedKVLayout  # row per slot, V4.1's KV packed: what the kernels read
 
-    return ReferenceKVLayout(torch.device(device.torch_device), block_size or 128)
+    return PackedKVLayout(torch.device(device.torch_device), block_size or 128)
 
 
 @hookimpl

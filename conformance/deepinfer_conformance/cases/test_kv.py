@@ -3,7 +3,9 @@ written at each slot id, for every cache kind it declares, and the same canonica
 
 PAGED caches come plain (one entry per token) and compressed (DeepSeek-V4's `compress_rate` 4 and 8: a block
 of block_size tokens holds block_size / rate entries, slot ids from `compressed_slots`); the compressed
-variants skip with the backend's reason where it has neither V4 op that reads such caches."""
+variants skip with the backend's reason where it has neither V4 op that reads such caches. Caches with a
+`stored_format` (DeepSeek-V4.1's FP8 / FP4 KV) must give back exactly the reference's rounding, and stay in the
+format's bytes where the backend declares it in `kv_formats`."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ import pytest
 import torch
 
 from deepinfer_conformance.harness import CapabilitySkip
+from deepinfer_core.kv.formats import BlockFormat
 from deepinfer_core.kv.layout import CacheKind, CacheSpec, compressed_slots, ring_slots
 
 DTYPES = [torch.float32, torch.bfloat16]
@@ -187,6 +190,58 @@ def test_matches_reference(suite, check, variant, dtype):
             expected,
             what=f"canonical {variant} cache (block size "
             f"{backend.kv_layout.block_size}) vs the reference's (block size {ref.kv_layout.block_size})",
+        )
+
+
+# DeepSeek-V4.1's caches with a stored_format (v41_attention): the window ring in FP8, compressed entries and
+# indexer keys in FP4. (kind, compress_rate, head_dim) per format.
+STORED = {
+    "fp8_e4m3/pow2:32": (CacheKind.SLIDING_WINDOW, 1, 128),
+    "fp4_e2m1/e4m3:16": (CacheKind.PAGED, 2, 128),
+    "fp4_e2m1/pow2:32": (CacheKind.PAGED, 2, 64),
+}
+
+
+def format_inputs(rows: int, dim: int, seed: int) -> torch.Tensor:
+    """[rows, 1, dim] float32 of every magnitude a block meets: random rows from 1e-30 to 1e8, then rows of
+    zeros, of values far below the scales' floors, of mixed magnitudes within a block, and of blocks whose
+    e4m3 scale is subnormal with the largest element rounding to 4 (amax ~ 4.5 x 2 x 2^-9)."""
+    x = randn(rows, dim, seed=seed) * torch.logspace(-30, 8, rows)[:, None]
+    x[0] = 0.0
+    x[1] = randn(dim, seed=seed + 1) * 1e-39
+    x[2] = randn(dim, seed=seed + 2) * torch.logspace(-6, 6, dim)
+    x[3] = randn(dim, seed=seed + 3).clamp(-1, 1) * 0.0176
+    x[3, ::16] = 0.0176
+    return x[:, None, :]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("fmt", list(STORED))
+def test_stored_format(suite, check, fmt, dtype):
+    """Values rounded to a cache's stored_format by the reference's round_to_format come back from the backend's
+    layout bit for bit (signed zeros too), written once and overwritten; a backend that declares the format in
+    Capabilities.kv_formats must also keep the cache in the format's bytes (elements and scales), not more."""
+    kind, rate, dim = STORED[fmt]
+    suite.require_declared("cache_kinds", kind)
+    ours, ref = kv_dtype_backend(suite, dtype, kind, rate)
+    spec = CacheSpec(kind, dtype, 1, dim, window=128 if rate == 1 else 0, rollback_slots=6 if rate == 1 else 0,
+                     compress_rate=rate, stored_format=fmt)  # fmt: skip
+    cache = Cache(ours, spec, UNITS[kind])
+    perm = torch.randperm(cache.size, generator=torch.Generator().manual_seed(6))
+    expected = torch.zeros(cache.size, 1, dim, dtype=dtype)
+    bits = torch.int32 if dtype == torch.float32 else torch.int16
+    for seed, slots in ((7, perm[: cache.size // 2]), (8, perm[cache.size // 4 : cache.size // 2 + 5])):
+        values = ref.ops.round_to_format(format_inputs(len(slots), dim, seed).to(dtype), fmt)
+        cache.write(slots, values)
+        expected[slots] = values
+        check.equal(cache.gather(slots).view(bits), values.view(bits), what=f"{fmt} entries read back (bits)")
+    check.equal(cache.gather(torch.arange(cache.size)).view(bits), expected.view(bits), what="the whole cache (bits)")
+    if fmt in suite.capabilities.kv_formats:
+        stored = cache.tensor.numel() * cache.tensor.element_size() / cache.size
+        packed = BlockFormat.of(fmt).row_bytes(dim)
+        check.metric(bytes_per_entry=stored, format_bytes=packed, canonical_bytes=dim * dtype.itemsize)
+        assert stored <= packed, (
+            f"{ours.name} declares {fmt} in kv_formats but stores {stored} bytes per entry, not {packed}"
         )
 
 

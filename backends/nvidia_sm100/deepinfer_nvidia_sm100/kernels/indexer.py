@@ -21,6 +21,7 @@ import triton.language as tl
 
 from deepinfer_core.kv.layout import CacheSpec
 from deepinfer_nvidia_sm100.kernels._common import INTERPRET, dot_in_float32, mma, next_pow2
+from deepinfer_nvidia_sm100.kernels.packed import format_code, load_rows
 from deepinfer_nvidia_sm100.kernels.sparse_attention import token_metadata
 
 __all__ = ["index_scores", "indexer_select", "indexer_topk"]
@@ -33,7 +34,7 @@ def _index_scores_kernel(
     q_ptr, w_ptr, keys_ptr, tok_ptr, tables_ptr, scores_ptr, H, T, C, scale,
     sq_t, sq_h, sw_t, sw_h, skeys, st_b, ss_t,
     DI: tl.constexpr, BD: tl.constexpr, RATE: tl.constexpr, PER_BLOCK: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_C: tl.constexpr, F32: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_C: tl.constexpr, F32: tl.constexpr, KEY_FMT: tl.constexpr,
 ):  # fmt: skip
     t, c_block = tl.program_id(0), tl.program_id(1)
     seq = tl.load(tok_ptr + t)  # tok [4, T]: sequence, position, ...
@@ -46,7 +47,7 @@ def _index_scores_kernel(
         in_d = d < DI
         block_id = tl.load(tables_ptr + seq.to(tl.int64) * st_b + c // PER_BLOCK, mask=seen, other=0)
         rows = block_id.to(tl.int64) * PER_BLOCK + c % PER_BLOCK
-        keys = tl.load(keys_ptr + rows[:, None] * skeys + d[None, :], mask=seen[:, None] & in_d[None, :], other=0.0)
+        keys = load_rows(keys_ptr, rows, skeys, seen, d, in_d, KEY_FMT, DI).to(q_ptr.dtype.element_ty)
         total = tl.zeros((BLOCK_C,), dtype=tl.float32)
         for h0 in range(0, H, BLOCK_H):
             heads = h0 + tl.arange(0, BLOCK_H)
@@ -64,8 +65,9 @@ def _index_scores_kernel(
 def index_scores(
     q, weights, keys, keys_spec: CacheSpec, meta, kv_block_size: int, *, scale: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """q [T, Hi, Di], weights [T, Hi], keys [rows, 1, Di] (PAGED, row per slot; `kv_block_size` tokens per
-    block) -> (scores [T, C] float32, -inf where the query does not see the entry; visible entries [T])."""
+    """q [T, Hi, Di], weights [T, Hi], keys [rows, 1, Di] or packed [rows, bytes] (kernels.packed) (PAGED, row per
+    slot; `kv_block_size` tokens per block) -> (scores [T, C] float32, -inf where the query does not see the
+    entry; visible entries [T])."""
     tokens, heads, dim = q.shape
     per_block = keys_spec.entries_per_block(kv_block_size)
     tables = meta.block_tables
@@ -85,7 +87,8 @@ def index_scores(
         q.stride(0), q.stride(1), weights.stride(0), weights.stride(1), keys.stride(0), tables.stride(0),
         scores.stride(0),
         DI=dim, BD=block_d, RATE=keys_spec.compress_rate, PER_BLOCK=per_block,
-        BLOCK_H=min(max(16, next_pow2(heads)), 64), BLOCK_C=block_c, F32=dot_in_float32(q.dtype), **launch,
+        BLOCK_H=min(max(16, next_pow2(heads)), 64), BLOCK_C=block_c, F32=dot_in_float32(q.dtype),
+        KEY_FMT=format_code(keys, keys_spec), **launch,
     )  # fmt: skip
     return scores, visible
 

@@ -6,7 +6,9 @@ A query token t attends, for each of its H heads, to its key sequence:
       and from this step's `kv` rows for the others (ring entries before `window_start` are never read);
   (b) compressed entries w < (t + 1) // m: all of them, or those listed in the query's `indices` row, sorted
       on the device beforehand so a repeated entry is skipped by comparing with its left neighbour.
-The caches are ReferenceKVLayout's row-per-slot tensors [rows, 1, D] (the nvidia_sm100 layout).
+The caches are row-per-slot tensors (PackedKVLayout, the nvidia_sm100 layout): [rows, 1, D] of q's dtype, or, for a
+spec with a stored_format, packed rows [rows, bytes] decoded in registers (kernels.packed); this step's kv rows
+are always q's dtype.
 
 Splits. The key sequence is cut into splits of SPLIT_KEYS keys: the window's positions from `since` on, then
 the compressed entries (slots of the sorted index row, or entries 0 .. visible - 1), each part on its own, so a
@@ -43,6 +45,7 @@ import triton
 import triton.language as tl
 
 from deepinfer_nvidia_sm100.kernels._common import INTERPRET, dot_in_float32, mma, next_pow2
+from deepinfer_nvidia_sm100.kernels.packed import format_code, load_rows
 
 __all__ = ["sparse_attention"]
 
@@ -124,10 +127,11 @@ def _query_heads(q_ptr, t, head_block, H, sq_t, sq_h, D: tl.constexpr, BD: tl.co
 @triton.jit
 def _window_split(
     q, split, kv_ptr, ring_ptr, skv, sring, ring_base, since, pos, first, row0, d, in_d, scale_log2,
-    RING: tl.constexpr, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, F32: tl.constexpr,
+    RING: tl.constexpr, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, F32: tl.constexpr, RING_FMT: tl.constexpr,
+    D: tl.constexpr,
 ):  # fmt: skip
-    """The state over window positions since + split * SPLIT .. (up to pos): ring rows before `first`, this step's
-    rows from `first` on. Empty past pos."""
+    """The state over window positions since + split * SPLIT .. (up to pos): ring rows before `first` (packed when
+    RING_FMT), this step's rows from `first` on. Empty past pos."""
     m = tl.full((q.shape[0],), float("-inf"), dtype=tl.float32)
     denom = tl.zeros((q.shape[0],), dtype=tl.float32)
     acc = tl.zeros(q.shape, dtype=tl.float32)
@@ -136,9 +140,14 @@ def _window_split(
         p = start + tl.arange(0, BLOCK_N)
         in_ring = p < first
         in_step = (p >= first) & (p <= pos)
-        ring_rows = ring_ptr + (ring_base + p % RING).to(tl.int64) * sring
-        rows = tl.where(in_ring, ring_rows, kv_ptr + (row0 + p - first).to(tl.int64) * skv)  # one load per entry
-        keys = tl.load(rows[:, None] + d[None, :], (in_ring | in_step)[:, None] & in_d[None, :], other=0.0)
+        if RING_FMT == 0:  # ring and step rows share a dtype: one load per entry
+            ring_rows = ring_ptr + (ring_base + p % RING).to(tl.int64) * sring
+            rows = tl.where(in_ring, ring_rows, kv_ptr + (row0 + p - first).to(tl.int64) * skv)
+            keys = tl.load(rows[:, None] + d[None, :], (in_ring | in_step)[:, None] & in_d[None, :], other=0.0)
+        else:
+            ring_keys = load_rows(ring_ptr, (ring_base + p % RING).to(tl.int64), sring, in_ring, d, in_d, RING_FMT, D)
+            step_keys = _rows(kv_ptr, (row0 + p - first).to(tl.int64), skv, in_step, d, in_d)
+            keys = tl.where(in_ring[:, None], ring_keys.to(kv_ptr.dtype.element_ty), step_keys)
         m, denom, acc = _attend(q, keys, (in_ring | in_step)[None, :], m, denom, acc, scale_log2, F32)
     return m, denom, acc
 
@@ -147,6 +156,7 @@ def _window_split(
 def _compressed_split(
     q, split, comp_ptr, scomp, table, idx_row, K, visible, d, in_d, scale_log2, PER_BLOCK: tl.constexpr,
     COMPRESSED: tl.constexpr, INDEXED: tl.constexpr, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, F32: tl.constexpr,
+    COMP_FMT: tl.constexpr, D: tl.constexpr,
 ):  # fmt: skip
     """The state over compressed split `split`: slots split * SPLIT .. of the sorted index row (-1, not yet
     visible and repeated entries skipped), or entries split * SPLIT .. visible - 1. Empty past them."""
@@ -173,7 +183,7 @@ def _compressed_split(
                 chosen = k < hi
             block_id = tl.load(table + w // PER_BLOCK, mask=chosen, other=0)
             rows = (block_id * PER_BLOCK + w % PER_BLOCK).to(tl.int64)
-            keys = _rows(comp_ptr, rows, scomp, chosen, d, in_d)
+            keys = load_rows(comp_ptr, rows, scomp, chosen, d, in_d, COMP_FMT, D)
             m, denom, acc = _attend(q, keys.to(q.dtype), chosen[None, :], m, denom, acc, scale_log2, F32)
     return m, denom, acc
 
@@ -185,7 +195,7 @@ def _sparse_attention_kernel(
     sq_t, sq_h, skv, sring, scomp, sidx, so_t, so_h, st_b,
     D: tl.constexpr, BD: tl.constexpr, WINDOW: tl.constexpr, RING: tl.constexpr, RATE: tl.constexpr,
     PER_BLOCK: tl.constexpr, COMPRESSED: tl.constexpr, INDEXED: tl.constexpr, SPLIT: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, F32: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, F32: tl.constexpr, RING_FMT: tl.constexpr, COMP_FMT: tl.constexpr,
 ):  # fmt: skip
     """Single pass: one program per (query, head block) folds its splits one after the other."""
     t, head_block = tl.program_id(0), tl.program_id(1)
@@ -197,7 +207,7 @@ def _sparse_attention_kernel(
     for split in range(0, (pos - since + SPLIT) // SPLIT):
         split_m, split_denom, split_acc = _window_split(
             q, split, kv_ptr, ring_ptr, skv, sring, ring_base, since, pos, first, row0, d, in_d, scale_log2,
-            RING, SPLIT, BLOCK_N, F32,
+            RING, SPLIT, BLOCK_N, F32, RING_FMT, D,
         )  # fmt: skip
         m, denom, acc = _merge(m, denom, acc, split_m, split_denom, split_acc)
     if COMPRESSED:
@@ -206,7 +216,7 @@ def _sparse_attention_kernel(
         for split in range(0, tl.cdiv(keys, SPLIT)):
             split_m, split_denom, split_acc = _compressed_split(
                 q, split, comp_ptr, scomp, table, idx_row, K, visible, d, in_d, scale_log2,
-                PER_BLOCK, COMPRESSED, INDEXED, SPLIT, BLOCK_N, F32,
+                PER_BLOCK, COMPRESSED, INDEXED, SPLIT, BLOCK_N, F32, COMP_FMT, D,
             )  # fmt: skip
             m, denom, acc = _merge(m, denom, acc, split_m, split_denom, split_acc)
     _store_out(out_ptr, t, heads, d, live[:, None] & in_d[None, :], denom, acc, so_t, so_h)
@@ -220,6 +230,7 @@ def _sparse_attention_split_kernel(
     D: tl.constexpr, BD: tl.constexpr, WINDOW: tl.constexpr, RING: tl.constexpr, RATE: tl.constexpr,
     PER_BLOCK: tl.constexpr, COMPRESSED: tl.constexpr, INDEXED: tl.constexpr, SPLIT: tl.constexpr,
     WINDOW_SPLITS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, F32: tl.constexpr,
+    RING_FMT: tl.constexpr, COMP_FMT: tl.constexpr,
 ):  # fmt: skip
     """Split launch: one program per (query, head block, split) stores its split's state in the workspace
     (m, denom [T, SPLITS, H], acc [T, SPLITS, H, D]); splits 0 .. WINDOW_SPLITS - 1 are the window's."""
@@ -231,13 +242,13 @@ def _sparse_attention_split_kernel(
         ring_base = tl.load(seq_slots_ptr + seq) * RING
         m, denom, acc = _window_split(
             q, split, kv_ptr, ring_ptr, skv, sring, ring_base, since, pos, first, row0, d, in_d, scale_log2,
-            RING, SPLIT, BLOCK_N, F32,
+            RING, SPLIT, BLOCK_N, F32, RING_FMT, D,
         )  # fmt: skip
     else:
         table, idx_row = tables_ptr + seq.to(tl.int64) * st_b, idx_ptr + t.to(tl.int64) * sidx
         m, denom, acc = _compressed_split(
             q, split - WINDOW_SPLITS, comp_ptr, scomp, table, idx_row, K, visible, d, in_d, scale_log2,
-            PER_BLOCK, COMPRESSED, INDEXED, SPLIT, BLOCK_N, F32,
+            PER_BLOCK, COMPRESSED, INDEXED, SPLIT, BLOCK_N, F32, COMP_FMT, D,
         )  # fmt: skip
     state = (t.to(tl.int64) * SPLITS + split) * H + heads  # [BLOCK_H]
     tl.store(ws_m_ptr + state, m, mask=live)
@@ -283,7 +294,8 @@ def sparse_attention(
     q, kv, ring, ring_spec, meta, block_size: int, *, sinks, scale: float, compressed=None, compressed_spec=None,
     indices=None, split_keys: int = SPLIT_KEYS, split: bool | None = None,
 ) -> torch.Tensor:  # fmt: skip
-    """q [T, H, D], kv [T, D], ring [rows, 1, D] (and compressed [rows, 1, D]) -> [T, H, D] in q.dtype.
+    """q [T, H, D], kv [T, D], ring [rows, 1, D] (and compressed [rows, 1, D]), or packed [rows, bytes] where their
+    spec has a stored_format -> [T, H, D] in q.dtype.
 
     split_keys: keys per split (a power of two; it sets the rounding, so it is fixed in production).
     split: the split launch (True) or the single pass (False), which give the same bits; None (production)
@@ -296,8 +308,10 @@ def sparse_attention(
         raise ValueError(f"split_keys must be a power of two, got {split_keys}")
     if q.stride(-1) != 1:
         q = q.contiguous()
-    if kv.stride(-1) != 1 or kv.dtype != ring.dtype:
-        kv = kv.to(ring.dtype).contiguous()  # a window tile reads rows of both
+    ring_fmt = format_code(ring, ring_spec)
+    kv_dtype = q.dtype if ring_fmt else ring.dtype  # a plain window tile reads rows of both with one load
+    if kv.stride(-1) != 1 or kv.dtype != kv_dtype:
+        kv = kv.to(kv_dtype).contiguous()
     tables = meta.block_tables
     rate = per_block = 1
     comp, idx, top_k, compressed_keys = ring, kv, 0, 0  # stand-ins the kernels do not read
@@ -321,7 +335,8 @@ def sparse_attention(
     constexprs = dict(
         D=dim, BD=block_d, WINDOW=ring_spec.window, RING=ring_spec.ring_size, RATE=rate, PER_BLOCK=per_block,
         COMPRESSED=compressed is not None, INDEXED=compressed is not None and indices is not None, SPLIT=split_keys,
-        BLOCK_H=block_h, BLOCK_N=block_n, F32=dot_in_float32(q.dtype), **launch,
+        BLOCK_H=block_h, BLOCK_N=block_n, F32=dot_in_float32(q.dtype), RING_FMT=ring_fmt,
+        COMP_FMT=format_code(comp, compressed_spec), **launch,
     )  # fmt: skip
     if split is None:
         split = splits > 1 and tokens * head_blocks < SINGLE_PASS_PROGRAMS
