@@ -113,9 +113,9 @@ def deepinfer_backend_ops(batch_invariant):
 
 @hookimpl
 def deepinfer_backend_kv_layout(device, block_size):
-    from deepinfer_core.kv.packed import PackedKVLayout  # row per slot, V4.1's KV packed: what the kernels read
+    from deepinfer_nvidia_sm100.kv import NvidiaKVLayout  # row per slot, V4.1's KV packed: what the kernels read
 
-    return PackedKVLayout(torch.device(device.torch_device), block_size or 128)
+    return NvidiaKVLayout(torch.device(device.torch_device), block_size or 128)
 
 
 @hookimpl

@@ -9,12 +9,13 @@ import pytest
 import torch
 
 from deepinfer_core.backend.ops import AttentionMetadata
-from deepinfer_core.kv.formats import round_blocks
+from deepinfer_core.kv.formats import pack, round_blocks
 from deepinfer_core.kv.layout import CacheKind, CacheSpec, compressed_slots, ring_slots
 from deepinfer_core.kv.packed import PackedKVLayout
 from deepinfer_core.reference.attention import ReferenceAttention
 from deepinfer_core.reference.kv import ReferenceKVLayout
 from deepinfer_nvidia_sm100.kernels import sparse_attention
+from deepinfer_nvidia_sm100.kv import NvidiaKVLayout
 from deepinfer_nvidia_sm100.ops import NvidiaAttention
 
 CPU = torch.device("cpu")
@@ -171,3 +172,39 @@ def test_packed_rows_of_another_width_are_refused_with_the_reason():
     with pytest.raises(ValueError, match=r"nvidia_sm100 sparse_attention: ring holds packed rows \(32,\)"):
         attention.sparse_attention(step.q, step.kv, narrow, cache_specs["window"], step.meta, sinks=step.sinks,
                                    scale=0.3)  # fmt: skip
+
+
+# ----------------------------------------------------------------------------- writing packed rows
+
+
+def pack_inputs(rows: int, dim: int, seed: int) -> torch.Tensor:
+    """Every magnitude a block meets (1e-26 .. 1e8 by row, a zero row, one below every scale's floor, mixed
+    magnitudes within a block) and a block whose subnormal e4m3 scale needs kv.formats.pack's amax / 4. No
+    float32 subnormals: Triton's interpreter widens bfloat16 ones wrongly (a GPU does not)."""
+    g = torch.Generator().manual_seed(seed)
+    x = spread(torch.randn(rows, 1, dim, generator=g), g)[:, 0] * torch.logspace(-26, 8, rows)[:, None]
+    x[0], x[1] = 0.0, torch.randn(dim, generator=g).sign() * (1.2e-38 + 5e-38 * torch.rand(dim, generator=g))
+    x[2] = torch.randn(dim, generator=g) * torch.logspace(-6, 6, dim)
+    x[3, :16], x[3, 1:16:2] = 0.0176, -0.004
+    return x
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered in divide")  # a zero block's amax / 4, as in torch
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("fmt", [WINDOW_FORMAT, ENTRY_FORMAT, INDEX_FORMAT])
+def test_the_write_kernel_stores_the_bytes_of_kv_formats(fmt, dtype):
+    """NvidiaKVLayout.write (kernels.rounding.pack_rows) against core's kv.formats.pack, byte for byte: values
+    already in the format (what V4.1 writes) and raw ones, at scattered slots of a cache of another width."""
+    kind = CacheKind.SLIDING_WINDOW if fmt == WINDOW_FORMAT else CacheKind.PAGED
+    spec = CacheSpec(kind, dtype, 1, 64, window=8 if kind is CacheKind.SLIDING_WINDOW else 0, stored_format=fmt)
+    layout = NvidiaKVLayout(CPU, BLOCK_SIZE)
+    for seed, rounded in ((1, True), (2, False)):
+        x = pack_inputs(40, 64, seed).to(dtype)
+        values = round_blocks(x, fmt) if rounded else x
+        cache = layout.allocate(spec, 6)  # 48 or 96 rows
+        slots = torch.randperm(cache.shape[0], generator=torch.Generator().manual_seed(seed))[:40]
+        layout.write(cache, spec, slots, values[:, None, :])
+        assert torch.equal(cache[slots], pack(values, fmt)), (seed, rounded)
+        untouched = torch.ones(cache.shape[0], dtype=torch.bool)
+        untouched[slots] = False
+        assert not cache[untouched].any()

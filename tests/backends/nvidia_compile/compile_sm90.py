@@ -25,10 +25,11 @@ POINTER_TYPES = {
     torch.int32: "*i32",
     torch.float8_e4m3fn: "*fp8e4nv",
     torch.bool: "*i1",
+    torch.uint8: "*u8",
 }
 # PTX a kernel must not contain: round_to_format is bitwise the reference's only with correctly rounded
 # divisions (not div.full / div.approx), no contracted multiply-adds and no flushed subnormals
-FORBIDDEN_PTX = {"_round_kernel": ("div.full", "div.approx", "fma.", ".ftz")}
+FORBIDDEN_PTX = {name: ("div.full", "div.approx", "fma.", ".ftz") for name in ("_round_kernel", "_pack_kernel")}
 compiled: list[str] = []
 
 
@@ -92,11 +93,36 @@ def launch_v4_attention(dtype: torch.dtype) -> None:
                            within=torch.randint(-1, 10, (4, 16)), candidate_block=8, top_blocks=16)  # fmt: skip
 
 
+def launch_packed_reads(dtype: torch.dtype) -> None:
+    """V4.1 Flash's attention over its packed caches: the FP8 window ring (512 + 16 bytes a row) with FP4 entries
+    (256 + 32, e4m3 scales), by both launches, and the indexer over FP4 keys (64 + 4, e8m0 scales)."""
+    from deepinfer_core.backend.ops import AttentionMetadata
+    from deepinfer_core.kv.layout import CacheKind, CacheSpec
+    from deepinfer_nvidia_sm100.kernels import indexer, sparse_attention
+
+    tables = torch.tensor([[5, 1, 2], [0, 4, -1]])
+    meta = AttentionMetadata(torch.tensor([0, 3, 4]), torch.tensor([300, 70]), tables, torch.arange(4),
+                             seq_slots=torch.tensor([1, 0]), window_starts=torch.zeros(2).long())  # fmt: skip
+    ring_spec = CacheSpec(CacheKind.SLIDING_WINDOW, dtype, 1, 512, window=128, rollback_slots=6,
+                          stored_format="fp8_e4m3/pow2:32")  # fmt: skip
+    comp_spec = CacheSpec(CacheKind.PAGED, dtype, 1, 512, compress_rate=2, stored_format="fp4_e2m1/e4m3:16")
+    ring, compressed = torch.zeros(268, 528, dtype=torch.uint8), torch.zeros(6 * 64, 288, dtype=torch.uint8)
+    q, kv, sinks = torch.randn(4, 64, 512).to(dtype), torch.randn(4, 512).to(dtype), torch.zeros(64)
+    for split in (True, False):
+        sparse_attention.sparse_attention(q, kv, ring, ring_spec, meta, 128, sinks=sinks, scale=0.04, split=split,
+                                          compressed=compressed, compressed_spec=comp_spec,
+                                          indices=torch.randint(-1, 75, (4, 512)))  # fmt: skip
+    keys_spec = CacheSpec(CacheKind.PAGED, dtype, 1, 128, compress_rate=2, stored_format="fp4_e2m1/pow2:32")
+    keys, index_q = torch.zeros(6 * 64, 68, dtype=torch.uint8), torch.randn(4, 64, 128).to(dtype)
+    indexer.indexer_select(index_q, torch.randn(4, 64), keys, keys_spec, meta, 128, top_k=512, scale=128**-0.5)
+
+
 def launch_v41(dtype: torch.dtype) -> None:
     """DeepSeek-V4.1's ops: hyper-connections of 4 streams of 5120 (the rms of the mixing GEMM's input, hc_mixes'
     pre, the collapse by a given pre, the float32 expansion), the block roundings of the window KV and compressed
     entries ([T, 512]) and of the index keys ([T, 128]) in every format, and the engram gate."""
     from deepinfer_core.backend.ops import BLOCK_FORMATS
+    from deepinfer_core.kv.formats import BlockFormat
     from deepinfer_nvidia_sm100.kernels import engram, hyper, rounding
 
     streams, block_out = torch.randn(3, 4, 5120).to(dtype), torch.randn(3, 5120).to(dtype)
@@ -107,6 +133,11 @@ def launch_v41(dtype: torch.dtype) -> None:
     for fmt in BLOCK_FORMATS:
         for width in (512, 128):
             rounding.round_to_format(torch.randn(3, width).to(dtype), fmt)
+            rows = BlockFormat.of(fmt).row_bytes(width)
+            rounding.pack_rows(torch.randn(3, width).to(dtype), fmt, torch.zeros(8, rows, dtype=torch.uint8),
+                               torch.tensor([5, 0, 2]))  # fmt: skip
+    launch_packed_reads(dtype)
+    dead = torch.zeros(3, dtype=torch.bool)
     dead = torch.zeros(3, dtype=torch.bool)
     engram.engram_gate(streams, streams, block_out, torch.randn(4, 5120), dead, 1e-6)
 

@@ -25,7 +25,7 @@ def test_all_kernels_compile_for_sm90():
         *("_rms_norm_kernel", "_rotary_kernel", "_silu_and_mul_kernel", "_matmul_kernel", "_split_sum_kernel"),
         *("_gate_up_kernel", "_down_kernel", "_paged_attention_kernel", "_route_kernel", "_gumbel_kernel"),
         *("_hc_mix_kernel", "_hc_post_kernel", "_softmax_pool_kernel", "_hc_norm_kernel", "_hc_collapse_kernel"),
-        *("_round_kernel", "_engram_gate_kernel"),
+        *("_round_kernel", "_pack_kernel", "_engram_gate_kernel"),
         *("_sparse_attention_kernel", "_sparse_attention_split_kernel", "_merge_splits_kernel"),
         "_index_scores_kernel",
     }
@@ -45,5 +45,9 @@ def test_all_kernels_compile_for_sm90():
         ("_hc_mix_kernel", "('COLLAPSE', False)"),
         ("_hc_post_kernel", "('ROUND_TERMS', False)"),
         *(("_round_kernel", f"('FORMAT', {fmt})") for fmt in range(3)),
+        *(("_pack_kernel", f"('FORMAT', {fmt})") for fmt in range(3)),
+        ("_sparse_attention_kernel", "('RING_FMT', 1)"),  # V4.1's packed caches
+        ("_sparse_attention_split_kernel", "('COMP_FMT', 3)"),
+        ("_index_scores_kernel", "('KEY_FMT', 2)"),
     ):
         assert any(v.startswith(kernel + " ") and flag in v for v in variants), f"{kernel} with {flag} not compiled"
