@@ -1,5 +1,6 @@
 """Bounds of gpu_decode.py's DeepSeek-V4 / V4.1 runs: the weight bytes our model holds, the cache bytes a decode
-step reads (from the model's cache_specs, in their stored dtype), the flops; the report's summary and table."""
+step reads (from the model's cache_specs, as nvidia_sm100's PackedKVLayout stores them: V4.1's KV in its FP8 / FP4
+stored_format, the rest in its dtype), the flops; the report's summary and table."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from _gpu_measure import prefill_bound_record, token_match
 
 from deepinfer_core.kv.caches import block_bytes, sequence_bytes
 from deepinfer_core.kv.layout import CacheKind, CacheSpec
+from deepinfer_core.kv.packed import PackedKVLayout
 from deepinfer_core.model.config_v4 import CSA
 
 # ---- weights ------------------------------------------------------------------------------------
@@ -70,8 +72,15 @@ def weight_sizes(family, cfg, dtype: torch.dtype) -> dict:
 # ---- caches -------------------------------------------------------------------------------------
 
 
+STORED = PackedKVLayout(torch.device("meta"))  # entry bytes only: it allocates nothing here
+
+
 def _entry_bytes(spec: CacheSpec) -> int:
-    return math.prod(spec.entry_shape) * spec.dtype.itemsize
+    return STORED.entry_bytes(spec)
+
+
+def _storage(spec: CacheSpec) -> str:
+    return spec.stored_format or str(spec.dtype).removeprefix("torch.")
 
 
 def _readers(family, cfg, layer: int, name: str, spec: CacheSpec, context: int) -> list[tuple[int, int]]:
@@ -102,7 +111,7 @@ def cache_reads(family, cfg, specs, context: int) -> dict:
         for name, spec in caches.items():
             info = reads.setdefault(
                 name,
-                {"kind": spec.kind.value, "storage": str(spec.dtype).removeprefix("torch."), "held_by": []},
+                {"kind": spec.kind.value, "storage": _storage(spec), "held_by": []},
             )
             info["held_by"].append(layer)
             for reader, entries in _readers(family, cfg, layer, name, spec, context):
@@ -127,6 +136,7 @@ def cache_report(specs, block_size: int, source: str) -> dict:
             name: {
                 "kind": s.kind.value,
                 "dtype": str(s.dtype).removeprefix("torch."),
+                **({"stored_format": s.stored_format} if s.stored_format else {}),
                 "entry_shape": list(s.entry_shape),
                 **({"compress_rate": s.compress_rate} if s.kind is CacheKind.PAGED else {}),
                 **({"window": s.window, "ring_size": s.ring_size} if s.kind is CacheKind.SLIDING_WINDOW else {}),
@@ -138,8 +148,8 @@ def cache_report(specs, block_size: int, source: str) -> dict:
     return {
         "specs_from": source,
         "layers": layers,
-        "sequence_slot_bytes": sequence_bytes(specs),  # rings (window + rollback slots) and states
-        "block_bytes": block_bytes(specs, block_size),
+        "sequence_slot_bytes": sequence_bytes(specs, STORED),  # rings (window + rollback slots) and states
+        "block_bytes": block_bytes(specs, block_size, STORED),
         "block_size": block_size,
     }
 
