@@ -50,35 +50,24 @@ def _e2m1(nibble):
 
 
 @triton.jit
-def _block_scales(base, mask, FMT: tl.constexpr, D: tl.constexpr, BD: tl.constexpr):
-    """[BN, BD] float32: each element's block scale, from the row's D / block scale bytes after its codes,
-    loaded as one contiguous [BN, BD / block] tile and widened."""
-    BLOCK: tl.constexpr = 16 if FMT == 3 else 32
-    CODES: tl.constexpr = D if FMT == 1 else D // 2
-    b = tl.arange(0, BD // BLOCK)
-    byte = tl.load(base + CODES + b[None, :], mask[:, None] & (b < D // BLOCK)[None, :], other=0).to(tl.int32)
-    if FMT == 3:
-        scale = _e4m3(byte)
-    else:
-        scale = (byte << 23).to(tl.float32, bitcast=True)
-    return tl.reshape(tl.broadcast_to(scale[:, :, None], (scale.shape[0], BD // BLOCK, BLOCK)), (scale.shape[0], BD))
-
-
-@triton.jit
 def load_rows(ptr, rows, stride, mask, d, in_d, FMT: tl.constexpr, D: tl.constexpr):
     """Entries [BN, BD] at `rows` [BN] (int64) of a row-per-slot cache, 0 where not `mask`: the row's elements
-    as stored (FMT 0, the cache's dtype) or decoded from its packed bytes (float32). Every load is a contiguous
-    tile (codes, then scales), widened in registers."""
+    as stored (FMT 0, the cache's dtype) or decoded from its packed bytes (float32): each element's code byte and
+    block scale byte are loaded where it is (no reshapes: their layout conversions misalign on Hopper)."""
+    tile = mask[:, None] & in_d[None, :]
     base = ptr + rows[:, None] * stride
     if FMT == 0:
-        return tl.load(base + d[None, :], mask[:, None] & in_d[None, :], other=0.0)
-    else:
-        BD: tl.constexpr = d.shape[0]
-        scale = _block_scales(base, mask, FMT, D, BD)
-        if FMT == 1:  # fp8_e4m3/pow2:32: D code bytes
-            q = _e4m3(tl.load(base + d[None, :], mask[:, None] & in_d[None, :], other=0).to(tl.int32))
-        else:  # FP4: D / 2 code bytes, element 2i in the low nibble, 2i + 1 in the high one
-            h = tl.arange(0, BD // 2)
-            byte = tl.load(base + h[None, :], mask[:, None] & (h < D // 2)[None, :], other=0).to(tl.int32)
-            q = tl.reshape(tl.join(_e2m1(byte & 0xF), _e2m1(byte >> 4)), (byte.shape[0], BD))
+        return tl.load(base + d[None, :], tile, other=0.0)
+    elif FMT == 1:  # fp8_e4m3/pow2:32: D code bytes, then an e8m0 byte per 32
+        q = _e4m3(tl.load(base + d[None, :], tile, other=0).to(tl.int32))
+        scale = (tl.load(base + D + d[None, :] // 32, tile, other=0).to(tl.int32) << 23).to(tl.float32, bitcast=True)
+        return q * scale
+    else:  # FP4: D / 2 code bytes (element 2i low nibble, 2i + 1 high), then a scale byte per 32 (e8m0) or 16 (e4m3)
+        byte = tl.load(base + d[None, :] // 2, tile, other=0).to(tl.int32)
+        q = _e2m1((byte >> ((d[None, :] % 2) * 4)) & 0xF)
+        if FMT == 2:
+            scale_byte = tl.load(base + D // 2 + d[None, :] // 32, tile, other=0).to(tl.int32)
+            scale = (scale_byte << 23).to(tl.float32, bitcast=True)
+        else:
+            scale = _e4m3(tl.load(base + D // 2 + d[None, :] // 16, tile, other=0).to(tl.int32))
         return q * scale

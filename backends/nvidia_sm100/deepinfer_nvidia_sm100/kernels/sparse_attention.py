@@ -181,7 +181,8 @@ def _compressed_split(
             else:
                 w = k
                 chosen = k < hi
-            block_id = tl.load(table + w // PER_BLOCK, mask=chosen, other=0)
+            # an entry in 0 .. visible - 1 (min / max, no mask: triton 3.6's layout pass fails on a masked load here)
+            block_id = tl.load(table + tl.minimum(tl.maximum(w, 0), tl.maximum(visible - 1, 0)) // PER_BLOCK)
             rows = (block_id * PER_BLOCK + w % PER_BLOCK).to(tl.int64)
             keys = load_rows(comp_ptr, rows, scomp, chosen, d, in_d, COMP_FMT, D)
             m, denom, acc = _attend(q, keys.to(q.dtype), chosen[None, :], m, denom, acc, scale_log2, F32)
