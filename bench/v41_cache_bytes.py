@@ -41,7 +41,6 @@ import json
 import math
 import subprocess
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -50,6 +49,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))  # run as a script: bench/ holds its helpers
 from _common import machine, versions  # noqa: E402
 
+from deepinfer_core.kv.formats import BlockFormat  # noqa: E402
 from deepinfer_core.kv.layout import CacheKind, CacheSpec  # noqa: E402
 from deepinfer_core.model.config_v4 import DeepseekV4Config  # noqa: E402
 from deepinfer_core.model.config_v41 import DeepseekV41Config  # noqa: E402
@@ -70,32 +70,14 @@ V4_FLASH_RATIOS = [0, 0] + [4, 128] * 20 + [4, 0]  # DeepSeek-V4-Flash config.js
 LENGTHS = (131072, 1048576)
 TABLE_FORMAT = ("fp8_e4m3/pow2:32", 32)  # released engram rows: F8_E4M3 + an F8_E8M0 scale per 32
 PACKED_FORMATS = {"window": WINDOW_FORMAT, "compressed": ENTRY_FORMAT, "index_keys": INDEX_FORMAT}
-_VALUE_BITS = {"fp8_e4m3": 8, "fp4_e2m1": 4}
-_SCALE_BYTES = {"pow2": 1, "e4m3": 1}  # pow2: an e8m0 exponent byte
 UNITS = {CacheKind.PAGED: "token", CacheKind.SLIDING_WINDOW: "sequence", CacheKind.SEQUENCE_STATE: "sequence"}
 
 
-@dataclass(frozen=True, slots=True)
-class Packing:
-    """A packed storage format: `value_bits` per value and `scale_bytes` per `block` values."""
-
-    name: str
-    value_bits: int
-    block: int
-    scale_bytes: int
-
-    @classmethod
-    def of(cls, fmt: tuple[str, int]) -> Packing:
-        """From a v41_attention format ("fp8_e4m3/pow2:32", 32)."""
-        name, block = fmt
-        value, scale = name.split("/")[0], name.split("/")[1].split(":")[0]
-        return cls(name, _VALUE_BITS[value], block, _SCALE_BYTES[scale])
-
-    def vector_bytes(self, values: int, unpacked_bytes: int) -> int:
-        """Bytes of one vector; the reference leaves vectors the block does not divide unrounded."""
-        if values % self.block:
-            return unpacked_bytes
-        return values * self.value_bits // 8 + values // self.block * self.scale_bytes
+def vector_bytes(fmt: tuple[str, int], values: int, unpacked_bytes: int) -> int:
+    """Bytes of one vector packed in `fmt` (kv.formats' rows); the reference leaves vectors the block does not
+    divide unrounded."""
+    name, block = fmt
+    return unpacked_bytes if values % block else BlockFormat.of(name).row_bytes(values)
 
 
 # ---- the models' cache declarations, on meta tensors ----------------------------------------------
@@ -148,7 +130,7 @@ def entry_bytes(name: str, spec: CacheSpec, packed: bool) -> int:
     """Bytes of one entry (PAGED), of one sequence's ring (SLIDING_WINDOW) or state (SEQUENCE_STATE)."""
     size = math.prod(spec.entry_shape) * spec.dtype.itemsize
     if packed and name in PACKED_FORMATS:
-        vector = Packing.of(PACKED_FORMATS[name]).vector_bytes(spec.head_dim, spec.head_dim * spec.dtype.itemsize)
+        vector = vector_bytes(PACKED_FORMATS[name], spec.head_dim, spec.head_dim * spec.dtype.itemsize)
         size = spec.num_heads * vector
     return size * (spec.ring_size if spec.kind is CacheKind.SLIDING_WINDOW else 1)
 
@@ -159,7 +141,7 @@ def cache_kinds(specs: list[dict[str, CacheSpec]], packed: bool) -> dict[str, di
     kinds: dict[str, dict] = {}
     for layer, caches in enumerate(specs):
         for name, spec in caches.items():
-            storage = Packing.of(PACKED_FORMATS[name]).name if packed and name in PACKED_FORMATS else spec.dtype
+            storage = PACKED_FORMATS[name][0] if packed and name in PACKED_FORMATS else spec.dtype
             storage = str(storage).removeprefix("torch.")
             kind = kinds.setdefault(name, {"unit": UNITS[spec.kind], "storage": storage, "layers": [], "bytes": 0})
             size = entry_bytes(name, spec, packed)
@@ -197,8 +179,8 @@ def model_report(specs: list[dict[str, CacheSpec]], source: str, lossless: bool,
 
 def engram_report(cfg: DeepseekV41Config, step_tokens: int = 8192) -> dict:
     """Engram tables (host) vs the rows a step gathers and the per-layer projections (device)."""
-    dim, fp8 = cfg.engram_head_dim, Packing.of(TABLE_FORMAT)
-    row_fp8, row_bf16 = fp8.vector_bytes(dim, 2 * dim), 2 * dim
+    dim = cfg.engram_head_dim
+    row_fp8, row_bf16 = vector_bytes(TABLE_FORMAT, dim, 2 * dim), 2 * dim
     rows = list(cfg.engram_num_embeddings)
     gathered = (cfg.engram_max_ngram_size - 1) * cfg.engram_n_heads * len(cfg.engram_layer_ids)  # per token
     wkv = ((cfg.hc_mult + 1) * cfg.hidden_size, (cfg.engram_max_ngram_size - 1) * cfg.engram_n_heads * dim)
@@ -279,7 +261,7 @@ def build_report(lengths=LENGTHS) -> dict:
         "versions": versions(),
         "commit": _commit(),
         "rollback_slots": ROLLBACK_SLOTS,
-        "packed_formats": {name: Packing.of(fmt).name for name, fmt in PACKED_FORMATS.items()},
+        "packed_formats": {name: fmt[0] for name, fmt in PACKED_FORMATS.items()},
         "models": {},
     }
     for key, (cfg, source) in configs().items():

@@ -15,6 +15,7 @@ if TYPE_CHECKING:  # ops imports this module for OP_NAMES and re-exports its nam
 __all__ = [
     "BLOCK_FORMATS",
     "block_length",
+    "check_layer_fn",
     "V4_OPS",
     "V41_OPS",
     "V4AttentionOps",
@@ -59,6 +60,16 @@ def block_length(fmt: str, x: torch.Tensor) -> int:
             f"pass a tensor whose last dim is a multiple of {block}"
         )
     return block
+
+
+def check_layer_fn(streams: torch.Tensor, fn: torch.Tensor) -> None:
+    """hc_mixes' refusal of an fn that is not the layer form [(2 + N) N, N*D] for streams [T, N, D]."""
+    n = streams.shape[1]
+    if fn.shape[0] != (2 + n) * n:
+        raise ValueError(
+            f"hc_mixes takes the layer form fn [(2 + N) N, N*D] = [{(2 + n) * n}, {n * streams.shape[2]}] "
+            f"for {n} streams; got fn {list(fn.shape)}"
+        )
 
 
 @runtime_checkable

@@ -26,6 +26,7 @@ from deepinfer_core.backend._deepseek_ops import (  # the DeepSeek-V4/V4.1-only 
     V41AttentionOps,
     V41Ops,
     block_length,
+    check_layer_fn,
 )
 from deepinfer_core.kv.layout import CacheSpec
 
@@ -34,6 +35,7 @@ __all__ = [
     "AttentionOps",
     "BLOCK_FORMATS",
     "block_length",
+    "check_layer_fn",
     "BlockFP8",
     "Ops",
     "RoutingConfig",

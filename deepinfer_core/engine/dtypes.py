@@ -106,6 +106,7 @@ def check_kv_cache_dtype(
         )
     raise DeepInferError(
         f"kv_cache_dtype {value!r}: the models store their KV cache in the compute dtype "
-        f"({_name(compute_dtype)}) for now; pass kv_cache_dtype='auto', or dtype={_name(wanted)!r} to compute "
-        f"in {_name(wanted)} too"
+        f"({_name(compute_dtype)}), DeepSeek-V4.1 in its own FP8 / FP4 formats where the backend declares them "
+        f"(Capabilities.kv_formats; no flag needed); pass kv_cache_dtype='auto', or dtype={_name(wanted)!r} to "
+        f"compute in {_name(wanted)} too"
     )

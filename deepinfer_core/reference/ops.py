@@ -5,10 +5,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from deepinfer_core.backend.ops import BlockFP8, RoutingConfig, block_length
+from deepinfer_core.backend.ops import BlockFP8, RoutingConfig, block_length, check_layer_fn
 from deepinfer_core.kv.formats import round_blocks
 
 __all__ = ["ReferenceOps"]
+
 
 def _descending(scores: torch.Tensor, k: int) -> torch.Tensor:
     """Indices of the k largest along the last dim; equal scores go to the lower index (the contract's tie rule)."""
@@ -187,12 +188,7 @@ class ReferenceOps:
         eps: float,
         norm_eps: float,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        n = streams.shape[1]
-        if fn.shape[0] != (2 + n) * n:
-            raise ValueError(
-                f"hc_mixes takes the layer form fn [(2 + N) N, N*D] = [{(2 + n) * n}, {n * streams.shape[2]}] "
-                f"for {n} streams; got fn {list(fn.shape)}"
-            )
+        check_layer_fn(streams, fn)
         return self._hc_weights(streams, fn, scale, base, sinkhorn_iters=sinkhorn_iters, eps=eps, norm_eps=norm_eps)
 
     def hc_collapse(self, streams: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:

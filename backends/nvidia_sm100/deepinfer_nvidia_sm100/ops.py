@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from deepinfer_core.backend.ops import AttentionMetadata, BlockFP8, RoutingConfig
+from deepinfer_core.backend.ops import AttentionMetadata, BlockFP8, RoutingConfig, check_layer_fn
 from deepinfer_core.kv.formats import BlockFormat
 from deepinfer_core.kv.layout import CacheSpec, KVLayout
 from deepinfer_core.kv.packed import PackedKVLayout
@@ -148,12 +148,7 @@ class NvidiaOps:
         norm_eps: float,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """hc_pre's kernels, storing pre in place of the collapse."""
-        n = streams.shape[1]
-        if fn.shape[0] != (2 + n) * n:
-            raise ValueError(
-                f"hc_mixes takes the layer form fn [(2 + N) N, N*D] = [{(2 + n) * n}, {n * streams.shape[2]}] "
-                f"for {n} streams; got fn {list(fn.shape)}"
-            )
+        check_layer_fn(streams, fn)
         mixes = self._mixes(streams, fn, norm_eps)
         return hyper.hc_mix(streams, mixes, scale, base, sinkhorn_iters, eps, collapse=False)
 

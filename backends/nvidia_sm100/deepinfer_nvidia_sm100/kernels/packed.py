@@ -15,17 +15,21 @@ import triton.language as tl
 
 from deepinfer_core.kv.formats import BLOCK_FORMATS
 from deepinfer_core.kv.layout import CacheSpec
+from deepinfer_nvidia_sm100.kernels._common import INTERPRET
 
 __all__ = ["format_code", "load_rows"]
 
-PLAIN, FP8_POW2, FP4_POW2, FP4_E4M3 = 0, 1, 2, 3
+PLAIN, FP8_POW2, FP4_POW2, FP4_E4M3, FP8_POW2_CVT = 0, 1, 2, 3, 4
 _CODES = dict(zip(BLOCK_FORMATS, (FP8_POW2, FP4_POW2, FP4_E4M3)))
 
 
 def format_code(cache: torch.Tensor, spec: CacheSpec | None) -> int:
-    """FMT for a kernel reading `cache`: its spec's stored format when the layout stored it packed (uint8)."""
+    """FMT for a kernel reading `cache`: its spec's stored format when the layout stored it packed (uint8). On a
+    GPU the e4m3 elements take the hardware's float8 conversion (FP8_POW2_CVT: exact, like the integer decode
+    the interpreter runs, which has no float8)."""
     if spec is not None and spec.stored_format and cache.dtype == torch.uint8:
-        return _CODES[spec.stored_format]
+        code = _CODES[spec.stored_format]
+        return FP8_POW2_CVT if code == FP8_POW2 and not INTERPRET else code
     return PLAIN
 
 
@@ -58,8 +62,12 @@ def load_rows(ptr, rows, stride, mask, d, in_d, FMT: tl.constexpr, D: tl.constex
     base = ptr + rows[:, None] * stride
     if FMT == 0:
         return tl.load(base + d[None, :], tile, other=0.0)
-    elif FMT == 1:  # fp8_e4m3/pow2:32: D code bytes, then an e8m0 byte per 32
-        q = _e4m3(tl.load(base + d[None, :], tile, other=0).to(tl.int32))
+    elif FMT == 1 or FMT == 4:  # fp8_e4m3/pow2:32: D code bytes, then an e8m0 byte per 32
+        codes = tl.load(base + d[None, :], tile, other=0)
+        if FMT == 4:
+            q = codes.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        else:
+            q = _e4m3(codes.to(tl.int32))
         scale = (tl.load(base + D + d[None, :] // 32, tile, other=0).to(tl.int32) << 23).to(tl.float32, bitcast=True)
         return q * scale
     else:  # FP4: D / 2 code bytes (element 2i low nibble, 2i + 1 high), then a scale byte per 32 (e8m0) or 16 (e4m3)

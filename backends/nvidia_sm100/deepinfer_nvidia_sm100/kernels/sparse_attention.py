@@ -329,7 +329,10 @@ def sparse_attention(
     block_h = min(max(16, next_pow2(heads)), 16 if block_d >= 256 else 64)
     head_blocks = triton.cdiv(heads, block_h)
     launch = {} if INTERPRET else {"num_warps": 4 if block_d < 256 else 8, "num_stages": 2}
-    block_n = min(split_keys, 16 if INTERPRET else (32 if block_d >= 256 else 64))
+    comp_fmt = format_code(comp, compressed_spec)
+    # packed caches decode in registers: half the tile of keys at V4 Flash's width, so the decode does not spill
+    wide = 16 if (ring_fmt or comp_fmt) and block_d >= 256 else 32
+    block_n = min(split_keys, 16 if INTERPRET else (wide if block_d >= 256 else 64))
     inputs = (q, kv, ring, comp, idx)
     shared = (token_metadata(meta, tokens), meta.seq_slots, meta.window_starts, tables, heads, tokens, top_k)
     strides = (q.stride(0), q.stride(1), kv.stride(0), ring.stride(0), comp.stride(0), idx.stride(0))
@@ -337,7 +340,7 @@ def sparse_attention(
         D=dim, BD=block_d, WINDOW=ring_spec.window, RING=ring_spec.ring_size, RATE=rate, PER_BLOCK=per_block,
         COMPRESSED=compressed is not None, INDEXED=compressed is not None and indices is not None, SPLIT=split_keys,
         BLOCK_H=block_h, BLOCK_N=block_n, F32=dot_in_float32(q.dtype), RING_FMT=ring_fmt,
-        COMP_FMT=format_code(comp, compressed_spec), **launch,
+        COMP_FMT=comp_fmt, **launch,
     )  # fmt: skip
     if split is None:
         split = splits > 1 and tokens * head_blocks < SINGLE_PASS_PROGRAMS
