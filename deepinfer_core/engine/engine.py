@@ -25,9 +25,10 @@ from deepinfer_core.backend.extensions import LogitsProcessor, Observer, Request
 from deepinfer_core.backend.resolve import ResolvedBackend
 from deepinfer_core.engine.block_manager import BlockManager, PrefixReplay, check_prefix_replay, prefix_replay_tokens
 from deepinfer_core.engine.limits import at_least_one, context_length
+from deepinfer_core.engine.logprobs import LogprobRecorder
 from deepinfer_core.engine.memory import blocks_for_memory
-from deepinfer_core.engine.pending import HostPromptLogprobs, LaunchedStep
-from deepinfer_core.engine.request import Delta, Logprob, Request, RequestGroup, RequestOutput
+from deepinfer_core.engine.pending import LaunchedStep
+from deepinfer_core.engine.request import Delta, Request, RequestGroup, RequestOutput
 from deepinfer_core.engine.runner import ModelRunner
 from deepinfer_core.engine.scheduler import Scheduler, SchedulerConfig
 from deepinfer_core.engine.snapshots import WindowSnapshots, first_needed
@@ -81,6 +82,7 @@ class Engine:
         observers: Sequence[Observer] = (),
     ) -> None:
         self.model, self.backend, self.tokenizer, self.config = model, backend, tokenizer, config
+        self._logprobs = LogprobRecorder(tokenizer)
         self.max_model_len = context_length(config.max_model_len, model.config.max_position_embeddings)
         block_size = backend.kv_layout.block_size
         num_blocks = config.num_kv_blocks or blocks_for_memory(
@@ -267,7 +269,9 @@ class Engine:
         """Read a launched step's results back; append the tokens, detokenize, check stops, report."""
         results = step.read()
         for chunk in results.prompt_logprobs:
-            self._record_prompt_logprobs(chunk)
+            group = self._requests.get(chunk.request.request_id)
+            if group is not None and not chunk.request.finished and group.prompt_logprobs is not None:
+                self._logprobs.record_prompt(group, chunk)
         changed: dict[RequestGroup, dict[int, Delta]] = {}
         for row, request in enumerate(step.sampled):
             request.num_pending_tokens -= 1
@@ -279,7 +283,7 @@ class Engine:
             if (wanted := request.params.logprobs) is not None:
                 rank = results.ranks[row] if results.ranks is not None else None
                 top = (results.top_ids[row][:wanted], results.top_logprobs[row][:wanted])
-                self._record_logprobs(request, token, results.logprobs[row], rank, *top)
+                self._logprobs.record(request, token, results.logprobs[row], rank, *top)
             new_text = self._append_token_text(request, token)
             if request.finished:
                 self._detokenizers.pop(request, None)
@@ -298,47 +302,6 @@ class Engine:
         self._step += 1
         self._observe_step(step)
         return outputs
-
-    def _decode_one(self, token: int) -> str | None:
-        """A token's text in logprobs (special tokens spelled out, as vLLM's decoded_token)."""
-        return self.tokenizer.decode([token], skip_special_tokens=False) if self.tokenizer is not None else None
-
-    def _logprob_entry(
-        self, token: int, logprob: float, rank: int | None, top_ids: list[int], top_logprobs: list[float]
-    ) -> dict[int, Logprob]:
-        """vLLM's {token id: Logprob}: the token itself, then its top alternatives ranked 1..k."""
-        rank = top_ids.index(token) + 1 if token in top_ids else rank
-        entry = {token: Logprob(logprob, rank, self._decode_one(token))}
-        for i, (other, other_logprob) in enumerate(zip(top_ids, top_logprobs)):
-            entry.setdefault(other, Logprob(other_logprob, i + 1, self._decode_one(other)))
-        return entry
-
-    def _record_logprobs(
-        self,
-        request: Request,
-        token: int,
-        logprob: float,
-        rank: int | None,
-        top_ids: list[int],
-        top_logprobs: list[float],
-    ) -> None:
-        """The token's logprob and its top alternatives, flat and in vLLM's {token id: Logprob} shape."""
-        request.logprobs.append(logprob)
-        request.top_logprobs.append(dict(zip(top_ids, top_logprobs)))
-        request.sample_logprobs.append(self._logprob_entry(token, logprob, rank, top_ids, top_logprobs))
-
-    def _record_prompt_logprobs(self, chunk: HostPromptLogprobs) -> None:
-        group = self._requests.get(chunk.request.request_id)
-        if group is None or chunk.request.finished or group.prompt_logprobs is None:
-            return
-        prompt = chunk.request.prompt_token_ids
-        for i, (logprob, rank, top_ids, top_logprobs) in enumerate(
-            zip(chunk.logprobs, chunk.ranks, chunk.top_ids, chunk.top_logprobs)
-        ):
-            position = chunk.first + i
-            group.prompt_logprobs[position] = self._logprob_entry(
-                prompt[position], logprob, rank, top_ids, top_logprobs
-            )
 
     def _append_token_text(self, request: Request, token: int) -> str:
         """Check the stop conditions and detokenize the new token; returns the text to report for it. As
