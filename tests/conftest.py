@@ -60,12 +60,15 @@ def install_distributions(tmp_path_factory):
     return install
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def run_cli():
     """run_cli(args, site=None, env={}) -> CompletedProcess of the installed `deepinfer` command."""
 
     def run(args: list[str], site: Path | None = None, env: dict[str, str] | None = None):
         full_env = {k: v for k, v in os.environ.items() if k != "DEEPINFER_ACCELERATOR"}
+        # one intra-op thread, as the serve tests' servers: the commands run tiny models, and a second OpenMP
+        # thread on a shared 2-core machine made a demo-model `generate` 2-3x slower (see one_torch_thread)
+        full_env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
         if site is not None:
             full_env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(site), full_env.get("PYTHONPATH")]))
         full_env.update(env or {})

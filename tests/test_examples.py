@@ -1,14 +1,19 @@
 """The examples run as written."""
 
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 EXAMPLES = Path(__file__).parent.parent / "examples"
+# one intra-op thread for the demo model, as tests/conftest.py's run_cli (a second one on a shared 2-core machine
+# made the offline example 2-3x slower)
+ENV = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
 
 
 def run_example(name: str, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(EXAMPLES / name), *args], capture_output=True, text=True, timeout=120)
+    command = [sys.executable, str(EXAMPLES / name), *args]
+    return subprocess.run(command, capture_output=True, text=True, timeout=120, env=ENV)
 
 
 def test_select_backend_example_runs_on_cpu():

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -20,13 +21,16 @@ from deepinfer_core.backend.resolve import resolve_backend
 pytest.importorskip("transformers")
 
 SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "gpu_decode.py"
+# one intra-op thread: a tiny model, and a second OpenMP thread on a shared 2-core machine makes every small op
+# wait for a descheduled thread (offline_throughput's and prefix_replay's default: bench/README.md)
+ENV = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
 
 
 def test_gpu_decode_tiny_writes_a_complete_report(tmp_path):
     out, plot = tmp_path / "x.json", tmp_path / "x.png"
     args = ["--tiny", "--accelerator", "cpu", "--out", str(out), "--plot", str(plot), "--profile"]
     args += ["--prefill-repeats", "1", "--profile-batches", "1"]
-    run = subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=300)
+    run = subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=300, env=ENV)
     assert run.returncode == 0, run.stderr[-3000:]
     report = json.loads(out.read_text())
     expected = {"machine", "versions", "backend", "config", "params", "workload", "measurements", "bound", "decode"}
@@ -85,7 +89,7 @@ def test_gpu_decode_measures_batch_invariant_mode_where_the_backend_has_one(tmp_
     pytest.importorskip("deepinfer_rowwise_cpu")
     out = tmp_path / "x.json"
     args = ["--tiny", "--accelerator", "rowwise_cpu", "--out", str(out), "--batches", "2", "--prefill-repeats", "1"]
-    run = subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=300)
+    run = subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=300, env=ENV)
     assert run.returncode == 0, run.stderr[-3000:]
     report = json.loads(out.read_text())
     assert report["batch_invariant"]["measured"] is True
@@ -94,6 +98,7 @@ def test_gpu_decode_measures_batch_invariant_mode_where_the_backend_has_one(tmp_
     assert report["comparisons"]["token_match_batch_invariant_vs_default"]["2"]["identical_token_fraction"] == 1.0
 
 
+@pytest.mark.usefixtures("one_torch_thread")  # in this process: see ENV
 def test_gpu_decode_measures_the_fp8_model_where_the_backend_takes_fp8_weights(tmp_path, monkeypatch):
     """The FP8 path end to end on the CPU: the cpu backend, declared fp8_block (its ops dequantize on the fly)."""
     monkeypatch.syspath_prepend(str(SCRIPT.parent))

@@ -8,6 +8,7 @@ the same weights; DeepSeek-V4.1 has no transformers baseline, which the report s
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -17,6 +18,9 @@ import pytest
 pytest.importorskip("transformers")
 
 SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "gpu_decode.py"
+# one intra-op thread: a tiny model, and a second OpenMP thread on a shared 2-core machine makes every small op
+# wait for a descheduled thread (offline_throughput's and prefix_replay's default: bench/README.md)
+ENV = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
 TOP_LEVEL = {"model", "machine", "versions", "backend", "systems", "hf", "config", "params", "cache", "workload"}
 TOP_LEVEL |= {"measurements", "decode", "prefill", "bound", "comparisons", "hf_agreement", "plot"}
 
@@ -25,7 +29,7 @@ def _run(tmp_path: Path, model: str, *extra: str) -> dict:
     out = tmp_path / f"{model}.json"
     args = ["--tiny", "--model", model, "--out", str(out), "--plot", str(tmp_path / f"{model}.png")]
     args += ["--prefill-repeats", "1", *extra]
-    run = subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=300)
+    run = subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=300, env=ENV)
     assert run.returncode == 0, run.stderr[-3000:]
     return json.loads(out.read_text())
 

@@ -13,6 +13,8 @@ from deepinfer_core.engine.llm import LLM
 from deepinfer_core.sampling.params import SamplingParams
 from deepinfer_core.sampling.sampler import SampleOutput
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny tensors: see tests/conftest.py
+
 # Tensor methods that hand a tensor's values to Python: the host waits for the device there
 HOST_READS = {
     torch.Tensor.tolist,

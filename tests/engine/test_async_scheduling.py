@@ -18,6 +18,8 @@ from deepinfer_core.engine.scheduler import ScheduledStep
 from deepinfer_core.engine.tokenizer import demo_tokenizer_dir
 from deepinfer_core.sampling.params import SamplingParams
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny tensors: see tests/conftest.py
+
 BLOCK = 16
 
 

@@ -7,6 +7,7 @@ is what a device graph does; rowwise_cpu is batch-invariant, so padding must not
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import pytest
 import torch
@@ -18,6 +19,8 @@ from deepinfer_core.engine.graphs import DecodeGraphs, capture_sizes
 from deepinfer_core.engine.llm import LLM
 from deepinfer_core.kv.layout import ring_slots
 from deepinfer_core.sampling.params import SamplingParams
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny tensors: see tests/conftest.py
 
 
 class ReplayByCalling:
@@ -43,6 +46,12 @@ class ReplayByCalling:
         return replay
 
 
+@functools.cache
+def _eager(run, checkpoint) -> list:
+    """The eager steps' results of `run` (_run or _run_v4): the same for every test, computed once."""
+    return run(checkpoint, None, 0)[0]
+
+
 def _run(checkpoint, graphs, graph_batch_size: int):
     backend = resolve_backend(select_backend(discover(), "rowwise_cpu"), dtype=torch.float32, block_size=16)
     backend = dataclasses.replace(backend, graphs=graphs)
@@ -65,7 +74,7 @@ def test_capture_sizes_cover_every_batch():
 
 @pytest.mark.parametrize("graph_batch_size", [8, 2])  # 2: the 3-sequence steps run eagerly, the rest replay
 def test_replayed_decode_steps_match_eager_bit_for_bit(tiny_checkpoint, graph_batch_size):
-    eager, _ = _run(tiny_checkpoint, None, 0)
+    eager = _eager(_run, tiny_checkpoint)
     capture = ReplayByCalling()
     replayed, llm = _run(tiny_checkpoint, capture, graph_batch_size)
     assert capture.replays > 10, "decode steps did not go through the graphs"
@@ -101,7 +110,7 @@ def test_deepseek_v4_decode_steps_replay_with_padded_sequence_slots(hf_v4_checkp
     """V4's per-sequence caches: padding rows use the scratch sequence slot, and a decode step planned on the
     device (unfinished windows' provisional entries included) gives the eager steps' tokens and logprobs."""
     checkpoint = hf_v4_checkpoint("a").path
-    eager, _ = _run_v4(checkpoint, None, 0)
+    eager = _eager(_run_v4, checkpoint)
     capture = ReplayByCalling()
     replayed, llm = _run_v4(checkpoint, capture, 8)
     assert capture.replays > 10, "decode steps did not go through the graphs"
@@ -121,7 +130,7 @@ def test_graphs_follow_the_block_table_width_in_buckets(hf_v4_checkpoint, monkey
     eager results; a width of 3 blocks runs on the graphs of 4, its last column -1."""
     monkeypatch.setattr(DecodeGraphs, "MIN_WIDTH", 1)
     checkpoint = hf_v4_checkpoint("a").path
-    eager, _ = _run_v4(checkpoint, None, 0)
+    eager = _eager(_run_v4, checkpoint)
     capture = ReplayByCalling()
     replayed, llm = _run_v4(checkpoint, capture, 8)
     assert replayed == eager

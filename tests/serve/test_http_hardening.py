@@ -92,8 +92,8 @@ def test_no_cors_headers_by_default(http):
     assert r.status_code == 405
 
 
-def test_cors_with_allowed_origins(start_server):
-    server = start_server("--num-kv-blocks", "16", "--allowed-origins", '["https://app.example"]')
+def test_cors_with_allowed_origins(strict_server):
+    server = strict_server  # allows one origin (a server started for CORS alone cost ~5 s)
     preflight = {"origin": "https://app.example", "access-control-request-method": "POST"}
     r = httpx.options(server.url + CHAT, headers=preflight)
     assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "https://app.example"
@@ -122,7 +122,7 @@ def _read_all(sock: socket.socket) -> bytes:
 def strict_server(start_server):
     return start_server(
         "--num-kv-blocks", "16", "--timeout-request-header", "1", "--timeout-request-body", "1",
-        "--limit-concurrency", "6",
+        "--limit-concurrency", "6", "--allowed-origins", '["https://app.example"]',
     )  # fmt: skip
 
 

@@ -125,6 +125,8 @@ def run(command: str, cwd: Path, bin_dir: Path) -> subprocess.CompletedProcess:
         PIP_NO_INDEX="1",  # offline: everything the vendor's package needs is installed already
         PIP_NO_BUILD_ISOLATION="0",  # (sic: pip reads "0" as "no isolation") build with this env's setuptools
         PIP_DISABLE_PIP_VERSION_CHECK="1",
+        OMP_NUM_THREADS="1",  # tiny models: see tests/conftest.py's run_cli
+        MKL_NUM_THREADS="1",
     )
     return subprocess.run(
         ["bash", "-c", command], cwd=cwd, env=env, capture_output=True, text=True, timeout=COMMAND_TIMEOUT_S
