@@ -9,12 +9,13 @@ import pytest
 import torch
 
 from deepinfer_core.backend.ops import AttentionMetadata
-from deepinfer_core.kv.formats import pack, round_blocks
+from deepinfer_core.kv.formats import pack, round_blocks, unpack
 from deepinfer_core.kv.layout import CacheKind, CacheSpec, compressed_slots, ring_slots
 from deepinfer_core.kv.packed import PackedKVLayout
 from deepinfer_core.reference.attention import ReferenceAttention
 from deepinfer_core.reference.kv import ReferenceKVLayout
-from deepinfer_nvidia_sm100.kernels import sparse_attention
+from deepinfer_nvidia_sm100.kernels import indexer, sparse_attention
+from deepinfer_nvidia_sm100.kernels.packed import stage_blocks, stage_ring
 from deepinfer_nvidia_sm100.kv import NvidiaKVLayout
 from deepinfer_nvidia_sm100.ops import NvidiaAttention
 
@@ -132,10 +133,12 @@ def test_the_packed_caches_are_packed():
 
 @pytest.mark.usefixtures("fixed_order_dot")
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("stage", [False, True], ids=["in_registers", "staged"])
 @pytest.mark.parametrize("single_pass", [False, True], ids=["split", "single_pass"])
-def test_sparse_attention_reads_packed_caches_bit_for_bit(single_pass, dtype):
+def test_sparse_attention_reads_packed_caches_bit_for_bit(single_pass, stage, dtype):
+    """Top-k picks of packed entries decoded in the kernel or staged (the ring is always staged)."""
     step = Step(dtype)
-    launch = dict(split=not single_pass, split_keys=4)
+    launch = dict(split=not single_pass, split_keys=4, stage=stage)
     packed = step.attend(NvidiaAttention(PackedKVLayout(CPU, BLOCK_SIZE)), True, **launch)
     plain = step.attend(NvidiaAttention(ReferenceKVLayout(CPU, BLOCK_SIZE)), False, **launch)
     assert torch.equal(packed, plain)
@@ -162,6 +165,47 @@ def test_indexer_reads_packed_keys_bit_for_bit(dtype):
     ref_entries, ref_blocks = step.select(ReferenceAttention(layout), True)
     assert torch.equal(packed_blocks, ref_blocks)  # block maxima: robust to the scores' rounding here
     assert (packed_entries >= 0).sum() == (ref_entries >= 0).sum()
+
+
+@pytest.mark.usefixtures("fixed_order_dot")
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_index_scores_from_staged_and_in_register_keys_are_the_same_bits(dtype):
+    step = Step(dtype, seed=4)
+    packed_specs, packed_caches = step.caches(PackedKVLayout(CPU, BLOCK_SIZE), packed=True)
+    plain_specs, plain = step.caches(ReferenceKVLayout(CPU, BLOCK_SIZE), packed=False)
+    inputs = (step.index_q, step.index_weights)
+
+    def scores(caches, cache_specs, **stage):
+        keys, spec = caches["index_keys"], cache_specs["index_keys"]
+        return indexer.index_scores(*inputs, keys, spec, step.meta, BLOCK_SIZE, scale=0.2, **stage)[0]
+
+    expected = scores(plain, plain_specs)
+    assert expected.isfinite().any() and expected.isinf().any()  # seen and unseen entries
+    for stage in (False, True):
+        assert torch.equal(scores(packed_caches, packed_specs, stage=stage), expected), stage
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_staging_decodes_the_steps_rows_as_kv_formats_does(dtype):
+    """stage_ring: every ring row of the step's sequences, sequence b's at slot b; stage_blocks: every block of
+    the block tables, -1 kept -1. Values: kv.formats.unpack's, in the compute dtype."""
+    step = Step(dtype, seed=5)
+    cache_specs, caches = step.caches(PackedKVLayout(CPU, BLOCK_SIZE), packed=True)
+    window, ring = cache_specs["window"], caches["window"]
+    staged, slots = stage_ring(ring, window, step.meta.seq_slots, dtype)
+    assert torch.equal(slots, torch.arange(len(SEQS)))
+    for b, slot in enumerate(step.meta.seq_slots.tolist()):
+        rows = ring[slot * window.ring_size : (slot + 1) * window.ring_size]
+        expected = unpack(rows, WINDOW_FORMAT, dtype)
+        assert torch.equal(staged[b * window.ring_size : (b + 1) * window.ring_size], expected), b
+    spec, entries = cache_specs["compressed"], caches["compressed"]
+    per_block = spec.entries_per_block(BLOCK_SIZE)
+    staged, tables = stage_blocks(entries, spec, step.meta.block_tables, per_block, dtype)
+    assert torch.equal(tables < 0, step.meta.block_tables < 0)
+    for block, new in zip(step.meta.block_tables.flatten().tolist(), tables.flatten().tolist()):
+        if block >= 0:
+            expected = unpack(entries[block * per_block : (block + 1) * per_block], ENTRY_FORMAT, dtype)
+            assert torch.equal(staged[new * per_block : (new + 1) * per_block], expected), block
 
 
 def test_packed_rows_of_another_width_are_refused_with_the_reason():

@@ -94,8 +94,9 @@ def launch_v4_attention(dtype: torch.dtype) -> None:
 
 
 def launch_packed_reads(dtype: torch.dtype) -> None:
-    """V4.1 Flash's attention over its packed caches: the FP8 window ring (512 + 16 bytes a row) with FP4 entries
-    (256 + 32, e4m3 scales), by both launches, and the indexer over FP4 keys (64 + 4, e8m0 scales)."""
+    """V4.1 Flash's attention over its packed caches: the FP8 window ring (512 + 16 bytes a row, staged) with FP4
+    entries (256 + 32, e4m3 scales) staged and decoded in the kernel, by both launches, and the indexer over FP4
+    keys (64 + 4, e8m0 scales), staged and not."""
     from deepinfer_core.backend.ops import AttentionMetadata
     from deepinfer_core.kv.layout import CacheKind, CacheSpec
     from deepinfer_nvidia_sm100.kernels import indexer, sparse_attention
@@ -109,12 +110,14 @@ def launch_packed_reads(dtype: torch.dtype) -> None:
     ring, compressed = torch.zeros(268, 528, dtype=torch.uint8), torch.zeros(6 * 64, 288, dtype=torch.uint8)
     q, kv, sinks = torch.randn(4, 64, 512).to(dtype), torch.randn(4, 512).to(dtype), torch.zeros(64)
     for split in (True, False):
-        sparse_attention.sparse_attention(q, kv, ring, ring_spec, meta, 128, sinks=sinks, scale=0.04, split=split,
-                                          compressed=compressed, compressed_spec=comp_spec,
-                                          indices=torch.randint(-1, 75, (4, 512)))  # fmt: skip
+        for stage in (True, False):
+            sparse_attention.sparse_attention(q, kv, ring, ring_spec, meta, 128, sinks=sinks, scale=0.04,
+                                              split=split, compressed=compressed, compressed_spec=comp_spec,
+                                              indices=torch.randint(-1, 75, (4, 512)), stage=stage)  # fmt: skip
     keys_spec = CacheSpec(CacheKind.PAGED, dtype, 1, 128, compress_rate=2, stored_format="fp4_e2m1/pow2:32")
     keys, index_q = torch.zeros(6 * 64, 68, dtype=torch.uint8), torch.randn(4, 64, 128).to(dtype)
-    indexer.indexer_select(index_q, torch.randn(4, 64), keys, keys_spec, meta, 128, top_k=512, scale=128**-0.5)
+    for stage in (True, False):
+        indexer.index_scores(index_q, torch.randn(4, 64), keys, keys_spec, meta, 128, scale=128**-0.5, stage=stage)
 
 
 def launch_v41(dtype: torch.dtype) -> None:

@@ -25,7 +25,7 @@ def test_all_kernels_compile_for_sm90():
         *("_rms_norm_kernel", "_rotary_kernel", "_silu_and_mul_kernel", "_matmul_kernel", "_split_sum_kernel"),
         *("_gate_up_kernel", "_down_kernel", "_paged_attention_kernel", "_route_kernel", "_gumbel_kernel"),
         *("_hc_mix_kernel", "_hc_post_kernel", "_softmax_pool_kernel", "_hc_norm_kernel", "_hc_collapse_kernel"),
-        *("_round_kernel", "_pack_kernel", "_engram_gate_kernel"),
+        *("_round_kernel", "_pack_kernel", "_engram_gate_kernel", "_unpack_rows_kernel"),
         *("_sparse_attention_kernel", "_sparse_attention_split_kernel", "_merge_splits_kernel"),
         "_index_scores_kernel",
     }
@@ -46,7 +46,9 @@ def test_all_kernels_compile_for_sm90():
         ("_hc_post_kernel", "('ROUND_TERMS', False)"),
         *(("_round_kernel", f"('FORMAT', {fmt})") for fmt in range(3)),
         *(("_pack_kernel", f"('FORMAT', {fmt})") for fmt in range(3)),
-        ("_sparse_attention_kernel", "('RING_FMT', 4)"),  # V4.1's packed caches (FP8 by the GPU's cvt)
+        # V4.1's packed caches: staged (the FP8 ring by the GPU's cvt) and decoded in the kernels
+        *(("_unpack_rows_kernel", f"('FMT', {fmt})") for fmt in (2, 3, 4)),
+        ("_sparse_attention_kernel", "('COMP_FMT', 3)"),
         ("_sparse_attention_split_kernel", "('COMP_FMT', 3)"),
         ("_index_scores_kernel", "('KEY_FMT', 2)"),
     ):

@@ -21,7 +21,7 @@ import triton.language as tl
 
 from deepinfer_core.kv.layout import CacheSpec
 from deepinfer_nvidia_sm100.kernels._common import INTERPRET, dot_in_float32, mma, next_pow2
-from deepinfer_nvidia_sm100.kernels.packed import format_code, load_rows
+from deepinfer_nvidia_sm100.kernels.packed import format_code, load_rows, stage_blocks
 from deepinfer_nvidia_sm100.kernels.sparse_attention import token_metadata
 
 __all__ = ["index_scores", "indexer_select", "indexer_topk"]
@@ -63,11 +63,15 @@ def _index_scores_kernel(
 
 
 def index_scores(
-    q, weights, keys, keys_spec: CacheSpec, meta, kv_block_size: int, *, scale: float
+    q, weights, keys, keys_spec: CacheSpec, meta, kv_block_size: int, *, scale: float, stage: bool | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """q [T, Hi, Di], weights [T, Hi], keys [rows, 1, Di] or packed [rows, bytes] (kernels.packed) (PAGED, row per
     slot; `kv_block_size` tokens per block) -> (scores [T, C] float32, -inf where the query does not see the
-    entry; visible entries [T])."""
+    entry; visible entries [T]).
+
+    stage: packed keys decoded once into a scratch (kernels.packed.stage_blocks, True) or by every query that
+    reads them (False), which give the same bits; None: staged where the step averages two queries or more a
+    sequence (a prefill's chunks), where each program decoding its own would repeat the work."""
     tokens, heads, dim = q.shape
     per_block = keys_spec.entries_per_block(kv_block_size)
     tables = meta.block_tables
@@ -79,6 +83,8 @@ def index_scores(
         return scores, visible
     if q.stride(-1) != 1:
         q = q.contiguous()
+    if format_code(keys, keys_spec) and (stage if stage is not None else 2 * tables.shape[0] <= tokens):
+        keys, tables = stage_blocks(keys, keys_spec, tables, per_block, q.dtype)
     block_d = max(16, next_pow2(dim))
     block_c = 32 if INTERPRET else 128
     launch = {} if INTERPRET else {"num_warps": 4}

@@ -5,6 +5,12 @@ element x scale that kv.formats.unpack gives; cast to the cache's dtype, they ar
 
 A kernel takes the format as the constexpr FMT (`format_code`): 0 a plain row of the cache's dtype, else one of
 kv.formats.BLOCK_FORMATS.
+
+Staging. A kernel whose programs share rows (the attention's head blocks, a prefill's queries of one sequence)
+would decode each row once per program; `stage_ring` and `stage_blocks` decode the rows a step can read once,
+into a plain scratch tensor of the compute dtype, and hand back the slots / block table that address it. The
+values are the ones the in-register decode gives, cast to the same dtype, so a kernel reading the scratch
+computes the same bits as one decoding the packed rows.
 """
 
 from __future__ import annotations
@@ -15,9 +21,9 @@ import triton.language as tl
 
 from deepinfer_core.kv.formats import BLOCK_FORMATS
 from deepinfer_core.kv.layout import CacheSpec
-from deepinfer_nvidia_sm100.kernels._common import INTERPRET
+from deepinfer_nvidia_sm100.kernels._common import INTERPRET, next_pow2
 
-__all__ = ["format_code", "load_rows"]
+__all__ = ["format_code", "load_rows", "stage_blocks", "stage_ring"]
 
 PLAIN, FP8_POW2, FP4_POW2, FP4_E4M3, FP8_POW2_CVT = 0, 1, 2, 3, 4
 _CODES = dict(zip(BLOCK_FORMATS, (FP8_POW2, FP4_POW2, FP4_E4M3)))
@@ -79,3 +85,53 @@ def load_rows(ptr, rows, stride, mask, d, in_d, FMT: tl.constexpr, D: tl.constex
         else:
             scale = _e4m3(tl.load(base + D // 2 + d[None, :] // 16, tile, other=0).to(tl.int32))
         return q * scale
+
+
+@triton.jit
+def _unpack_rows_kernel(src_ptr, rows_ptr, dst_ptr, n, ssrc, sdst, FMT: tl.constexpr, D: tl.constexpr,
+                        BD: tl.constexpr, BLOCK_R: tl.constexpr):  # fmt: skip
+    """dst[i] = the entry at row rows[i] of src, decoded (FMT) and cast to dst's dtype."""
+    i = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    live = i < n
+    d = tl.arange(0, BD)
+    in_d = d < D
+    rows = tl.load(rows_ptr + i, mask=live, other=0)
+    values = load_rows(src_ptr, rows, ssrc, live, d, in_d, FMT, D)
+    out = dst_ptr + i.to(tl.int64)[:, None] * sdst + d[None, :]
+    tl.store(out, values.to(dst_ptr.dtype.element_ty), mask=live[:, None] & in_d[None, :])
+
+
+def unpack_rows(cache: torch.Tensor, spec: CacheSpec, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The entries at `rows` [n] (int64, valid rows) of packed `cache`, decoded -> [n, head_dim] of `dtype`."""
+    dim = spec.head_dim
+    out = torch.empty((rows.numel(), dim), dtype=dtype, device=cache.device)
+    if rows.numel() == 0:
+        return out
+    block_d = max(16, next_pow2(dim))
+    block_r = max(1, min(64, 8192 // block_d))
+    launch = {} if INTERPRET else {"num_warps": 4}
+    _unpack_rows_kernel[(triton.cdiv(rows.numel(), block_r),)](
+        cache, rows, out, rows.numel(), cache.stride(0), out.stride(0),
+        FMT=format_code(cache, spec), D=dim, BD=block_d, BLOCK_R=block_r, **launch,
+    )  # fmt: skip
+    return out
+
+
+def stage_ring(ring: torch.Tensor, spec: CacheSpec, seq_slots: torch.Tensor, dtype: torch.dtype):
+    """(scratch [B x ring_size, D], slots [B]): every ring row of the step's B sequences decoded, sequence b's
+    ring at slot b of the scratch."""
+    ring_size = spec.ring_size
+    offsets = torch.arange(ring_size, device=ring.device)
+    rows = (seq_slots.long()[:, None] * ring_size + offsets).flatten()
+    return unpack_rows(ring, spec, rows, dtype), torch.arange(seq_slots.shape[0], device=ring.device)
+
+
+def stage_blocks(cache: torch.Tensor, spec: CacheSpec, tables: torch.Tensor, per_block: int, dtype: torch.dtype):
+    """(scratch [B x W x per_block, D], tables [B, W]): the entries of every block in the step's block tables
+    [B, W] decoded, block (b, w) at block b x W + w of the scratch; -1 stays -1 (block 0 is decoded there, and
+    never read)."""
+    batch, width = tables.shape
+    offsets = torch.arange(per_block, device=cache.device)
+    rows = (tables.clamp(min=0).long()[:, :, None] * per_block + offsets).flatten()
+    staged = torch.arange(batch * width, device=cache.device).view(batch, width)
+    return unpack_rows(cache, spec, rows, dtype), torch.where(tables >= 0, staged, -1)

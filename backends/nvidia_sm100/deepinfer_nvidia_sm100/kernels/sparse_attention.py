@@ -7,16 +7,20 @@ A query token t attends, for each of its H heads, to its key sequence:
   (b) compressed entries w < (t + 1) // m: all of them, or those listed in the query's `indices` row, sorted
       on the device beforehand so a repeated entry is skipped by comparing with its left neighbour.
 The caches are row-per-slot tensors (PackedKVLayout, the nvidia_sm100 layout): [rows, 1, D] of q's dtype, or, for a
-spec with a stored_format, packed rows [rows, bytes] decoded in registers (kernels.packed); this step's kv rows
-are always q's dtype.
+spec with a stored_format, packed rows [rows, bytes] (kernels.packed); this step's kv rows are always q's dtype.
+A packed ring is staged (kernels.packed.stage_ring: the step's rings decoded once, not once per head block and
+query); packed compressed entries are staged too (stage_blocks) unless the query reads its top-k of them and
+the step's blocks hold more entries than the queries' top-k rows together (a long context's decode), where
+the kernel decodes the picked rows in registers. Staged or not, the values and tiles are the same: the same bits.
 
 Splits. The key sequence is cut into splits of SPLIT_KEYS keys: the window's positions from `since` on, then
 the compressed entries (slots of the sorted index row, or entries 0 .. visible - 1), each part on its own, so a
 split never mixes the two. A split's online softmax (float32, log2 domain) starts empty (running max -inf,
-denominator 0) and walks its keys in tiles of BLOCK_N; `_merge` then folds the splits, in split order, into the
-state of the head's sink (running max = the sink logit, denominator 1, no value), and the output is
-acc / denominator. One program serves BLOCK_H heads: they share the key head, so each entry tile [BLOCK_N, D]
-is multiplied by all of them (q [BLOCK_H, D] x K^T) and serves as the values of the same tile.
+denominator 0) and walks its keys in tiles (BLOCK_NW window keys, BLOCK_NC compressed entries); `_merge` then
+folds the splits, in split order, into the state of the head's sink (running max = the sink logit, denominator
+1, no value), and the output is acc / denominator. One program serves BLOCK_H heads: they share the key head,
+so each key tile [keys, D] is multiplied by all of them (q [BLOCK_H, D] x K^T) and serves as the values of the
+same tile.
 
 Two launches compute the same operations in the same order (the same jit functions, the same tiles, explicit
 fmas in the fold), so a query's bits are the same from both:
@@ -31,7 +35,8 @@ traffic), the keys may need more than one split, and the split grid stays within
 bounds the workspace: 64 MiB at V4 Flash's shapes). All three come from host-known shapes only.
 
 Batch invariance: a query's splits, the keys in each, their order and the fold order are functions of its
-own position, window start, index row and SPLIT_KEYS (a constant, never derived from T or the grid). The grid's
+own position, window start, index row, SPLIT_KEYS and the tiles (constants, or functions of the caches' specs
+and formats: never derived from T, the grid or whether a cache was staged). The grid's
 split axis is a static bound from shapes (window + top_k, or the block-table width x entries per block);
 a program past its query's keys stores an empty state, and folding an empty state leaves the running one as it
 is, bit for bit, so neither that bound nor the launch taken changes a query's result. Per-token metadata
@@ -45,7 +50,7 @@ import triton
 import triton.language as tl
 
 from deepinfer_nvidia_sm100.kernels._common import INTERPRET, dot_in_float32, mma, next_pow2
-from deepinfer_nvidia_sm100.kernels.packed import format_code, load_rows
+from deepinfer_nvidia_sm100.kernels.packed import format_code, load_rows, stage_blocks, stage_ring
 
 __all__ = ["sparse_attention"]
 
@@ -98,12 +103,6 @@ def _store_out(out_ptr, t, heads, d, mask, denom, acc, so_t, so_h):
 
 
 @triton.jit
-def _rows(ptr, rows, stride, mask, d, in_d):
-    """Entries [BN, BD] at `rows` [BN] (int64) of a row-per-slot tensor, 0 where not `mask`."""
-    return tl.load(ptr + rows[:, None] * stride + d[None, :], mask[:, None] & in_d[None, :], other=0.0)
-
-
-@triton.jit
 def _query(tok_ptr, window_starts_ptr, T, t, WINDOW: tl.constexpr, RATE: tl.constexpr):
     """Query t's sequence, position, step's first position and row, first window position and visible entries."""
     seq = tl.load(tok_ptr + t)  # tok [4, T]: sequence, position, first step position, first step row
@@ -121,17 +120,17 @@ def _query_heads(q_ptr, t, head_block, H, sq_t, sq_h, D: tl.constexpr, BD: tl.co
     live = heads < H
     d = tl.arange(0, BD)
     in_d = d < D
-    return heads, live, d, in_d, _rows(q_ptr + t.to(tl.int64) * sq_t, heads.to(tl.int64), sq_h, live, d, in_d)
+    q = load_rows(q_ptr + t.to(tl.int64) * sq_t, heads.to(tl.int64), sq_h, live, d, in_d, 0, D)
+    return heads, live, d, in_d, q
 
 
 @triton.jit
 def _window_split(
     q, split, kv_ptr, ring_ptr, skv, sring, ring_base, since, pos, first, row0, d, in_d, scale_log2,
-    RING: tl.constexpr, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, F32: tl.constexpr, RING_FMT: tl.constexpr,
-    D: tl.constexpr,
+    RING: tl.constexpr, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, F32: tl.constexpr,
 ):  # fmt: skip
-    """The state over window positions since + split * SPLIT .. (up to pos): ring rows before `first` (packed when
-    RING_FMT), this step's rows from `first` on. Empty past pos."""
+    """The state over window positions since + split * SPLIT .. (up to pos): ring rows before `first`, this
+    step's rows from `first` on (the same dtype: one load per entry). Empty past pos."""
     m = tl.full((q.shape[0],), float("-inf"), dtype=tl.float32)
     denom = tl.zeros((q.shape[0],), dtype=tl.float32)
     acc = tl.zeros(q.shape, dtype=tl.float32)
@@ -140,14 +139,9 @@ def _window_split(
         p = start + tl.arange(0, BLOCK_N)
         in_ring = p < first
         in_step = (p >= first) & (p <= pos)
-        if RING_FMT == 0:  # ring and step rows share a dtype: one load per entry
-            ring_rows = ring_ptr + (ring_base + p % RING).to(tl.int64) * sring
-            rows = tl.where(in_ring, ring_rows, kv_ptr + (row0 + p - first).to(tl.int64) * skv)
-            keys = tl.load(rows[:, None] + d[None, :], (in_ring | in_step)[:, None] & in_d[None, :], other=0.0)
-        else:
-            ring_keys = load_rows(ring_ptr, (ring_base + p % RING).to(tl.int64), sring, in_ring, d, in_d, RING_FMT, D)
-            step_keys = _rows(kv_ptr, (row0 + p - first).to(tl.int64), skv, in_step, d, in_d)
-            keys = tl.where(in_ring[:, None], ring_keys.to(kv_ptr.dtype.element_ty), step_keys)
+        ring_rows = ring_ptr + (ring_base + p % RING).to(tl.int64) * sring
+        rows = tl.where(in_ring, ring_rows, kv_ptr + (row0 + p - first).to(tl.int64) * skv)
+        keys = tl.load(rows[:, None] + d[None, :], (in_ring | in_step)[:, None] & in_d[None, :], other=0.0)
         m, denom, acc = _attend(q, keys, (in_ring | in_step)[None, :], m, denom, acc, scale_log2, F32)
     return m, denom, acc
 
@@ -196,7 +190,7 @@ def _sparse_attention_kernel(
     sq_t, sq_h, skv, sring, scomp, sidx, so_t, so_h, st_b,
     D: tl.constexpr, BD: tl.constexpr, WINDOW: tl.constexpr, RING: tl.constexpr, RATE: tl.constexpr,
     PER_BLOCK: tl.constexpr, COMPRESSED: tl.constexpr, INDEXED: tl.constexpr, SPLIT: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, F32: tl.constexpr, RING_FMT: tl.constexpr, COMP_FMT: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_NW: tl.constexpr, BLOCK_NC: tl.constexpr, F32: tl.constexpr, COMP_FMT: tl.constexpr,
 ):  # fmt: skip
     """Single pass: one program per (query, head block) folds its splits one after the other."""
     t, head_block = tl.program_id(0), tl.program_id(1)
@@ -208,7 +202,7 @@ def _sparse_attention_kernel(
     for split in range(0, (pos - since + SPLIT) // SPLIT):
         split_m, split_denom, split_acc = _window_split(
             q, split, kv_ptr, ring_ptr, skv, sring, ring_base, since, pos, first, row0, d, in_d, scale_log2,
-            RING, SPLIT, BLOCK_N, F32, RING_FMT, D,
+            RING, SPLIT, BLOCK_NW, F32,
         )  # fmt: skip
         m, denom, acc = _merge(m, denom, acc, split_m, split_denom, split_acc)
     if COMPRESSED:
@@ -217,7 +211,7 @@ def _sparse_attention_kernel(
         for split in range(0, tl.cdiv(keys, SPLIT)):
             split_m, split_denom, split_acc = _compressed_split(
                 q, split, comp_ptr, scomp, table, idx_row, K, visible, d, in_d, scale_log2,
-                PER_BLOCK, COMPRESSED, INDEXED, SPLIT, BLOCK_N, F32, COMP_FMT, D,
+                PER_BLOCK, COMPRESSED, INDEXED, SPLIT, BLOCK_NC, F32, COMP_FMT, D,
             )  # fmt: skip
             m, denom, acc = _merge(m, denom, acc, split_m, split_denom, split_acc)
     _store_out(out_ptr, t, heads, d, live[:, None] & in_d[None, :], denom, acc, so_t, so_h)
@@ -230,8 +224,8 @@ def _sparse_attention_split_kernel(
     sq_t, sq_h, skv, sring, scomp, sidx, st_b,
     D: tl.constexpr, BD: tl.constexpr, WINDOW: tl.constexpr, RING: tl.constexpr, RATE: tl.constexpr,
     PER_BLOCK: tl.constexpr, COMPRESSED: tl.constexpr, INDEXED: tl.constexpr, SPLIT: tl.constexpr,
-    WINDOW_SPLITS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, F32: tl.constexpr,
-    RING_FMT: tl.constexpr, COMP_FMT: tl.constexpr,
+    WINDOW_SPLITS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_NW: tl.constexpr, BLOCK_NC: tl.constexpr,
+    F32: tl.constexpr, COMP_FMT: tl.constexpr,
 ):  # fmt: skip
     """Split launch: one program per (query, head block, split) stores its split's state in the workspace
     (m, denom [T, SPLITS, H], acc [T, SPLITS, H, D]); splits 0 .. WINDOW_SPLITS - 1 are the window's."""
@@ -243,13 +237,13 @@ def _sparse_attention_split_kernel(
         ring_base = tl.load(seq_slots_ptr + seq) * RING
         m, denom, acc = _window_split(
             q, split, kv_ptr, ring_ptr, skv, sring, ring_base, since, pos, first, row0, d, in_d, scale_log2,
-            RING, SPLIT, BLOCK_N, F32, RING_FMT, D,
+            RING, SPLIT, BLOCK_NW, F32,
         )  # fmt: skip
     else:
         table, idx_row = tables_ptr + seq.to(tl.int64) * st_b, idx_ptr + t.to(tl.int64) * sidx
         m, denom, acc = _compressed_split(
             q, split - WINDOW_SPLITS, comp_ptr, scomp, table, idx_row, K, visible, d, in_d, scale_log2,
-            PER_BLOCK, COMPRESSED, INDEXED, SPLIT, BLOCK_N, F32, COMP_FMT, D,
+            PER_BLOCK, COMPRESSED, INDEXED, SPLIT, BLOCK_NC, F32, COMP_FMT, D,
         )  # fmt: skip
     state = (t.to(tl.int64) * SPLITS + split) * H + heads  # [BLOCK_H]
     tl.store(ws_m_ptr + state, m, mask=live)
@@ -293,14 +287,16 @@ def token_metadata(meta, tokens: int) -> torch.Tensor:
 
 def sparse_attention(
     q, kv, ring, ring_spec, meta, block_size: int, *, sinks, scale: float, compressed=None, compressed_spec=None,
-    indices=None, split_keys: int = SPLIT_KEYS, split: bool | None = None,
+    indices=None, split_keys: int = SPLIT_KEYS, split: bool | None = None, stage: bool | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """q [T, H, D], kv [T, D], ring [rows, 1, D] (and compressed [rows, 1, D]), or packed [rows, bytes] where their
     spec has a stored_format -> [T, H, D] in q.dtype.
 
     split_keys: keys per split (a power of two; it sets the rounding, so it is fixed in production).
     split: the split launch (True) or the single pass (False), which give the same bits; None (production)
-    chooses by the shapes, as the module docstring says."""
+    chooses by the shapes, as the module docstring says.
+    stage: whether packed compressed entries read by top-k are staged (True) or decoded in the kernel (False),
+    which give the same bits; None (production) chooses by the shapes (the module docstring)."""
     tokens, heads, dim = q.shape
     out = torch.empty((tokens, heads, dim), dtype=q.dtype, device=q.device)
     if tokens == 0:
@@ -309,13 +305,14 @@ def sparse_attention(
         raise ValueError(f"split_keys must be a power of two, got {split_keys}")
     if q.stride(-1) != 1:
         q = q.contiguous()
-    ring_fmt = format_code(ring, ring_spec)
-    kv_dtype = q.dtype if ring_fmt else ring.dtype  # a plain window tile reads rows of both with one load
-    if kv.stride(-1) != 1 or kv.dtype != kv_dtype:
-        kv = kv.to(kv_dtype).contiguous()
-    tables = meta.block_tables
+    seq_slots, tables = meta.seq_slots, meta.block_tables
+    if format_code(ring, ring_spec):
+        ring, seq_slots = stage_ring(ring, ring_spec, seq_slots, q.dtype)
+    if kv.stride(-1) != 1 or kv.dtype != ring.dtype:  # a window tile reads rows of both with one load
+        kv = kv.to(ring.dtype).contiguous()
     rate = per_block = 1
     comp, idx, top_k, compressed_keys = ring, kv, 0, 0  # stand-ins the kernels do not read
+    comp_packed = compressed is not None and format_code(compressed, compressed_spec) != 0
     if compressed is not None:
         rate = compressed_spec.compress_rate
         per_block = compressed_spec.entries_per_block(block_size)
@@ -323,24 +320,28 @@ def sparse_attention(
         if indices is not None:
             idx, top_k = indices.sort(dim=1).values, indices.shape[1]  # sorted: repeats side by side
             compressed_keys = top_k
+        if comp_packed and stage is None:  # the step's entries decoded once, unless more than the picks read
+            stage = indices is None or tables.numel() * per_block <= tokens * top_k
+        if comp_packed and stage:
+            comp, tables = stage_blocks(compressed, compressed_spec, tables, per_block, q.dtype)
     window_splits = triton.cdiv(ring_spec.window, split_keys)
     splits = window_splits + triton.cdiv(compressed_keys, split_keys)  # a bound from shapes, never from values
     block_d = max(16, next_pow2(dim))
     block_h = min(max(16, next_pow2(heads)), 16 if block_d >= 256 else 64)
     head_blocks = triton.cdiv(heads, block_h)
     launch = {} if INTERPRET else {"num_warps": 4 if block_d < 256 else 8, "num_stages": 2}
-    comp_fmt = format_code(comp, compressed_spec)
-    # packed caches decode in registers: half the tile of keys at V4 Flash's width, so the decode does not spill
-    wide = 16 if (ring_fmt or comp_fmt) and block_d >= 256 else 32
-    block_n = min(split_keys, 16 if INTERPRET else (wide if block_d >= 256 else 64))
+    block_nw = min(split_keys, 16 if INTERPRET else (32 if block_d >= 256 else 64))
+    # top-k picks of packed entries may decode in registers: half the tile at V4 Flash's width, so the decode
+    # does not spill; staged, they take the same tile (the same bits either way)
+    block_nc = 16 if comp_packed and indices is not None and block_d >= 256 else block_nw
     inputs = (q, kv, ring, comp, idx)
-    shared = (token_metadata(meta, tokens), meta.seq_slots, meta.window_starts, tables, heads, tokens, top_k)
+    shared = (token_metadata(meta, tokens), seq_slots, meta.window_starts, tables, heads, tokens, top_k)
     strides = (q.stride(0), q.stride(1), kv.stride(0), ring.stride(0), comp.stride(0), idx.stride(0))
     constexprs = dict(
         D=dim, BD=block_d, WINDOW=ring_spec.window, RING=ring_spec.ring_size, RATE=rate, PER_BLOCK=per_block,
         COMPRESSED=compressed is not None, INDEXED=compressed is not None and indices is not None, SPLIT=split_keys,
-        BLOCK_H=block_h, BLOCK_N=block_n, F32=dot_in_float32(q.dtype), RING_FMT=ring_fmt,
-        COMP_FMT=comp_fmt, **launch,
+        BLOCK_H=block_h, BLOCK_NW=block_nw, BLOCK_NC=min(split_keys, block_nc), F32=dot_in_float32(q.dtype),
+        COMP_FMT=format_code(comp, compressed_spec), **launch,
     )  # fmt: skip
     if split is None:
         split = splits > 1 and tokens * head_blocks < SINGLE_PASS_PROGRAMS
