@@ -186,9 +186,13 @@ class NvidiaAttention:
     ValueError that says what was passed (nothing falls back to the reference's PyTorch code).
     """
 
-    def __init__(self, layout: KVLayout) -> None:
+    def __init__(self, layout: KVLayout, batch_invariant: bool = False) -> None:
         self.layout = layout
         self.block_size = layout.block_size
+        # packed rows that queries may read staged or decoded in the kernels (kernels.packed): the two can round
+        # differently on a GPU, so the batch-invariant mode decides by the caches' specs alone (decoded in the
+        # kernels), never by the step's shapes
+        self.stage = False if batch_invariant else None
 
     def paged_attention(self, q, cache, spec, meta, *, scale: float, value_dim: int, value_offset: int = 0):
         return attention.paged_attention(
@@ -215,7 +219,7 @@ class NvidiaAttention:
         self._check_reads("sparse_attention", q, caches)
         return sparse_attention.sparse_attention(
             q, kv, ring, ring_spec, meta, self.block_size, sinks=sinks, scale=scale,
-            compressed=compressed, compressed_spec=compressed_spec, indices=indices,
+            compressed=compressed, compressed_spec=compressed_spec, indices=indices, stage=self.stage,
         )  # fmt: skip
 
     def _check_reads(self, op: str, q: torch.Tensor, tensors: list) -> None:
@@ -261,7 +265,9 @@ class NvidiaAttention:
         """The scores kernel and a top-k on the device (kernels.indexer): the reference's entries, in its order,
         from the same scores (which may differ by rounding)."""
         self._check_reads("indexer_topk", q, [("keys", keys, keys_spec)])
-        return indexer.indexer_topk(q, weights, keys, keys_spec, meta, self.block_size, top_k=top_k, scale=scale)
+        return indexer.indexer_topk(
+            q, weights, keys, keys_spec, meta, self.block_size, top_k=top_k, scale=scale, stage=self.stage
+        )
 
     def indexer_select(
         self, q, weights, keys, keys_spec, meta, *, top_k, scale, within=None, block_size=1, top_blocks=0
@@ -271,5 +277,5 @@ class NvidiaAttention:
         self._check_reads("indexer_select", q, [("keys", keys, keys_spec)])
         return indexer.indexer_select(
             q, weights, keys, keys_spec, meta, self.block_size, top_k=top_k, scale=scale,
-            within=within, candidate_block=block_size, top_blocks=top_blocks,
+            within=within, candidate_block=block_size, top_blocks=top_blocks, stage=self.stage,
         )  # fmt: skip

@@ -119,10 +119,11 @@ def deepinfer_backend_kv_layout(device, block_size):
 
 
 @hookimpl
-def deepinfer_backend_attention(layout):
+def deepinfer_backend_attention(layout, batch_invariant):
     from deepinfer_nvidia_sm100.ops import NvidiaAttention
 
-    return NvidiaAttention(layout)  # the layout: V4's attention ops read rings and compressed caches through it
+    # the layout: V4's attention ops read rings and compressed caches through it
+    return NvidiaAttention(layout, batch_invariant)
 
 
 @hookimpl

@@ -208,6 +208,26 @@ def test_staging_decodes_the_steps_rows_as_kv_formats_does(dtype):
             assert torch.equal(staged[new * per_block : (new + 1) * per_block], expected), block
 
 
+@pytest.mark.parametrize("batch_invariant", [False, True], ids=["default", "batch_invariant"])
+def test_the_batch_invariant_mode_never_stages_by_shapes(batch_invariant, monkeypatch):
+    """Default mode: this step's top-k picks and (a prefill's) index keys are staged, as their shapes make
+    cheaper; batch-invariant mode: decoded in the kernels whatever the shapes (staged or not may round
+    differently on a GPU). The ring is staged in both: the same way at every shape."""
+    staged = []
+
+    def counting(cache, spec, *args):
+        staged.append(spec.stored_format)
+        return stage_blocks(cache, spec, *args)
+
+    monkeypatch.setattr(sparse_attention, "stage_blocks", counting)
+    monkeypatch.setattr(indexer, "stage_blocks", counting)
+    step = Step(torch.float32)
+    attention = NvidiaAttention(PackedKVLayout(CPU, BLOCK_SIZE), batch_invariant)
+    step.attend(attention, True)
+    step.select(attention, True)
+    assert staged == ([] if batch_invariant else [ENTRY_FORMAT, INDEX_FORMAT])
+
+
 def test_packed_rows_of_another_width_are_refused_with_the_reason():
     step = Step(torch.bfloat16)
     attention = NvidiaAttention(PackedKVLayout(CPU, BLOCK_SIZE))

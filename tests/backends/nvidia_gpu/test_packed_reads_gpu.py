@@ -2,8 +2,10 @@
 packed caches (NvidiaKVLayout) as the same rounded values in plain rows, compiled for the GPU, at V4.1 Flash's
 widths (rows of 528, 288 and 68 bytes) and at the test fixtures' (33, 18 and 17 bytes). Within bfloat16's
 tolerance, not bit for bit: decoded in registers, an operand may take another MMA path than one loaded from
-memory (the interpreter tests show the decode exact). The two launches over the packed caches agree bit for bit,
-and so do packed rows staged (kernels.packed.stage_blocks) and decoded in the kernels."""
+memory (the interpreter tests show the decode exact). The two launches over the packed caches agree bit for bit;
+index keys staged (kernels.packed.stage_blocks) or decoded in the kernel give the same scores, bit for bit; top-k
+picks staged or decoded in the attention kernel agree within bfloat16's rounding (their last bit has differed at
+V4.1 Flash's width, which is why the batch-invariant mode does not choose between them by shapes)."""
 
 from __future__ import annotations
 
@@ -85,7 +87,7 @@ def test_packed_reads_give_the_plain_reads_bits(width):
         ]  # fmt: skip
     assert torch.equal(outs[True][1], outs[True][2])  # the split launch and the single pass
     tensors, _, specs = caches[True]
-    for stage in (False, True):  # packed rows staged or decoded in the kernels: the same bits
+    for stage in (False, True):  # packed rows staged or decoded in the kernels
         scores, _ = indexer.index_scores(index_q, weights, tensors["index_keys"], specs["index_keys"], meta, BLOCK,
                                          scale=index_dim**-0.5, stage=stage)  # fmt: skip
         assert torch.equal(scores, outs[True][0]), stage
@@ -93,7 +95,7 @@ def test_packed_reads_give_the_plain_reads_bits(width):
                                                 scale=dim**-0.5, compressed=tensors["compressed"],
                                                 compressed_spec=specs["compressed"], indices=plain_indices,
                                                 stage=stage)  # fmt: skip
-        assert torch.equal(out, outs[True][1]), stage
+        torch.testing.assert_close(out.float(), outs[True][1].float(), rtol=1.6e-2, atol=1e-2)
     for packed_out, plain_out in zip(outs[True], outs[False]):
         finite = packed_out.isfinite()
         assert torch.equal(finite, plain_out.isfinite())

@@ -70,8 +70,9 @@ def index_scores(
     entry; visible entries [T]).
 
     stage: packed keys decoded once into a scratch (kernels.packed.stage_blocks, True) or by every query that
-    reads them (False), which give the same bits; None: staged where the step averages two queries or more a
-    sequence (a prefill's chunks), where each program decoding its own would repeat the work."""
+    reads them (False); None: staged where the step averages two queries or more a sequence (a prefill's
+    chunks), where each program decoding its own would repeat the work. The same bits under the interpreter
+    and in the H200 tests; the batch-invariant mode passes False all the same."""
     tokens, heads, dim = q.shape
     per_block = keys_spec.entries_per_block(kv_block_size)
     tables = meta.block_tables
@@ -120,24 +121,26 @@ def _picked(scores: torch.Tensor, width: int) -> torch.Tensor:
 
 
 def indexer_topk(
-    q, weights, keys, keys_spec: CacheSpec, meta, kv_block_size: int, *, top_k: int, scale: float
-) -> torch.Tensor:
-    """V4's lightning indexer -> [T, top_k] int64: each query's best visible entries, best first, then -1."""
-    scores, _ = index_scores(q, weights, keys, keys_spec, meta, kv_block_size, scale=scale)
+    q, weights, keys, keys_spec: CacheSpec, meta, kv_block_size: int, *, top_k: int, scale: float,
+    stage: bool | None = None,
+) -> torch.Tensor:  # fmt: skip
+    """V4's lightning indexer -> [T, top_k] int64: each query's best visible entries, best first, then -1.
+    stage: as index_scores'."""
+    scores, _ = index_scores(q, weights, keys, keys_spec, meta, kv_block_size, scale=scale, stage=stage)
     return _picked(scores, top_k)
 
 
 def indexer_select(
     q, weights, keys, keys_spec: CacheSpec, meta, kv_block_size: int, *, top_k: int, scale: float,
-    within: torch.Tensor | None = None, candidate_block: int = 1, top_blocks: int = 0,
+    within: torch.Tensor | None = None, candidate_block: int = 1, top_blocks: int = 0, stage: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
     """V4.1's two-level indexer over candidate blocks of `candidate_block` entries (not the KV cache's blocks of
     `kv_block_size` tokens) -> (entries [T, top_k], blocks [T, top_blocks] or None when top_blocks is 0).
 
     blocks: by the max score of their visible entries, the newest visible entry's block first, then -1.
     entries: the best visible ones, only of the blocks in the query's row of `within` [T, B] (-1: none) if
-    given, best first, then -1."""
-    scores, visible = index_scores(q, weights, keys, keys_spec, meta, kv_block_size, scale=scale)  # [T, C], [T]
+    given, best first, then -1. stage: as index_scores'."""
+    scores, visible = index_scores(q, weights, keys, keys_spec, meta, kv_block_size, scale=scale, stage=stage)
     tokens, count = scores.shape
     num_blocks = triton.cdiv(count, candidate_block)
     grouped = F.pad(scores, (0, num_blocks * candidate_block - count), value=float("-inf"))

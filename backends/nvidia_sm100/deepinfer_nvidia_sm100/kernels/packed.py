@@ -9,8 +9,8 @@ kv.formats.BLOCK_FORMATS.
 Staging. A kernel whose programs share rows (the attention's head blocks, a prefill's queries of one sequence)
 would decode each row once per program; `stage_ring` and `stage_blocks` decode the rows a step can read once,
 into a plain scratch tensor of the compute dtype, and hand back the slots / block table that address it. The
-values are the ones the in-register decode gives, cast to the same dtype, so a kernel reading the scratch
-computes the same bits as one decoding the packed rows.
+values are the ones the in-register decode gives, cast to the same dtype (under the interpreter a kernel reading
+the scratch computes the same bits as one decoding the packed rows; compiled, the last bit may differ).
 """
 
 from __future__ import annotations

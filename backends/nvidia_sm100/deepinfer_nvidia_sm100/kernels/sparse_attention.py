@@ -9,9 +9,11 @@ A query token t attends, for each of its H heads, to its key sequence:
 The caches are row-per-slot tensors (PackedKVLayout, the nvidia_sm100 layout): [rows, 1, D] of q's dtype, or, for a
 spec with a stored_format, packed rows [rows, bytes] (kernels.packed); this step's kv rows are always q's dtype.
 A packed ring is staged (kernels.packed.stage_ring: the step's rings decoded once, not once per head block and
-query); packed compressed entries are staged too (stage_blocks) unless the query reads its top-k of them and
-the step's blocks hold more entries than the queries' top-k rows together (a long context's decode), where
-the kernel decodes the picked rows in registers. Staged or not, the values and tiles are the same: the same bits.
+query), and so are packed compressed entries that queries read all of (stage_blocks). Top-k picks of packed
+entries are staged or decoded in the kernel's registers (`stage`): staged unless the step's blocks hold more
+entries than its queries' top-k rows together (a long context's decode). Both read the same values with the same
+tiles, and under Triton's interpreter give the same bits; compiled for an H200 at V4.1 Flash's width they have
+differed in the last bit of a few outputs, so the batch-invariant mode fixes the choice (stage=False).
 
 Splits. The key sequence is cut into splits of SPLIT_KEYS keys: the window's positions from `since` on, then
 the compressed entries (slots of the sorted index row, or entries 0 .. visible - 1), each part on its own, so a
@@ -36,7 +38,7 @@ bounds the workspace: 64 MiB at V4 Flash's shapes). All three come from host-kno
 
 Batch invariance: a query's splits, the keys in each, their order and the fold order are functions of its
 own position, window start, index row, SPLIT_KEYS and the tiles (constants, or functions of the caches' specs
-and formats: never derived from T, the grid or whether a cache was staged). The grid's
+and formats: never derived from T, the grid or whether a cache was staged), with `stage` given. The grid's
 split axis is a static bound from shapes (window + top_k, or the block-table width x entries per block);
 a program past its query's keys stores an empty state, and folding an empty state leaves the running one as it
 is, bit for bit, so neither that bound nor the launch taken changes a query's result. Per-token metadata
@@ -295,8 +297,8 @@ def sparse_attention(
     split_keys: keys per split (a power of two; it sets the rounding, so it is fixed in production).
     split: the split launch (True) or the single pass (False), which give the same bits; None (production)
     chooses by the shapes, as the module docstring says.
-    stage: whether packed compressed entries read by top-k are staged (True) or decoded in the kernel (False),
-    which give the same bits; None (production) chooses by the shapes (the module docstring)."""
+    stage: whether packed compressed entries read by top-k are staged (True) or decoded in the kernel (False);
+    None chooses by the shapes (the module docstring; not batch-invariant on a GPU)."""
     tokens, heads, dim = q.shape
     out = torch.empty((tokens, heads, dim), dtype=q.dtype, device=q.device)
     if tokens == 0:
@@ -320,8 +322,10 @@ def sparse_attention(
         if indices is not None:
             idx, top_k = indices.sort(dim=1).values, indices.shape[1]  # sorted: repeats side by side
             compressed_keys = top_k
-        if comp_packed and stage is None:  # the step's entries decoded once, unless more than the picks read
-            stage = indices is None or tables.numel() * per_block <= tokens * top_k
+        if indices is None:  # each query reads all its entries: decoded once
+            stage = True
+        elif stage is None:  # the step's entries decoded once, unless there are more of them than picks
+            stage = tables.numel() * per_block <= tokens * top_k
         if comp_packed and stage:
             comp, tables = stage_blocks(compressed, compressed_spec, tables, per_block, q.dtype)
     window_splits = triton.cdiv(ring_spec.window, split_keys)
@@ -332,7 +336,7 @@ def sparse_attention(
     launch = {} if INTERPRET else {"num_warps": 4 if block_d < 256 else 8, "num_stages": 2}
     block_nw = min(split_keys, 16 if INTERPRET else (32 if block_d >= 256 else 64))
     # top-k picks of packed entries may decode in registers: half the tile at V4 Flash's width, so the decode
-    # does not spill; staged, they take the same tile (the same bits either way)
+    # does not spill; staged, they take the same tile
     block_nc = 16 if comp_packed and indices is not None and block_d >= 256 else block_nw
     inputs = (q, kv, ring, comp, idx)
     shared = (token_metadata(meta, tokens), seq_slots, meta.window_starts, tables, heads, tokens, top_k)
