@@ -28,13 +28,13 @@ Two launches compute the same operations in the same order (the same jit functio
 fmas in the fold), so a query's bits are the same from both:
   - split (small T): one program per (query, head block, split) stores its split's state in a float32
     workspace, and `_merge_splits_kernel` folds them per (query, head block, D tile). A decode step of batch 1
-    at V4 Flash's shapes launches 4 x 5 programs of <= 128 keys (CSA: window + top 512) instead of 4 of 640;
+    at V4 Flash's shapes launches 5 programs of <= 128 keys (CSA: window + top 512) instead of 1 of 640;
   - single pass (large T: prefill, big batches): one program per (query, head block) computes its splits one
     after the other and folds each as it goes. No workspace, which would grow as T x splits x H x D.
 The split launch is taken while the single pass's grid (T x head blocks) is under SINGLE_PASS_PROGRAMS (two
 waves of an H200's SMs: past that the single pass fills the GPU, and splitting would only add the workspace's
 traffic), the keys may need more than one split, and the split grid stays within MAX_SPLIT_PROGRAMS (which
-bounds the workspace: 64 MiB at V4 Flash's shapes). All three come from host-known shapes only.
+bounds the workspace: 128 MiB at V4 Flash's shapes). All three come from host-known shapes only.
 
 Batch invariance: a query's splits, the keys in each, their order and the fold order are functions of its
 own position, window start, index row, SPLIT_KEYS and the tiles (constants, or functions of the caches' specs
@@ -59,7 +59,7 @@ __all__ = ["sparse_attention"]
 LOG2E = 1.4426950408889634
 SPLIT_KEYS = 128  # keys per split: V4 Flash's window is one split, its top 512 entries four
 SINGLE_PASS_PROGRAMS = 2 * 132  # T x head blocks from which the single pass runs: two waves of an H200
-MAX_SPLIT_PROGRAMS = 2048  # nor is a split grid of more programs launched (workspace: that x BLOCK_H x D x 4 B)
+MAX_SPLIT_PROGRAMS = 1024  # nor is a split grid of more programs launched (workspace: that x BLOCK_H x D x 4 B)
 
 
 @triton.jit
@@ -331,7 +331,9 @@ def sparse_attention(
     window_splits = triton.cdiv(ring_spec.window, split_keys)
     splits = window_splits + triton.cdiv(compressed_keys, split_keys)  # a bound from shapes, never from values
     block_d = max(16, next_pow2(dim))
-    block_h = min(max(16, next_pow2(heads)), 16 if block_d >= 256 else 64)
+    # up to 64 heads a program, at any width: each key tile is loaded (and a packed one decoded) once for all of
+    # V4 Flash's heads, and the MMAs are 64 rows tall (at 512 dims, 16 a program took 1.2-1.6x as long on an H200)
+    block_h = min(max(16, next_pow2(heads)), 64)
     head_blocks = triton.cdiv(heads, block_h)
     launch = {} if INTERPRET else {"num_warps": 4 if block_d < 256 else 8, "num_stages": 2}
     block_nw = min(split_keys, 16 if INTERPRET else (32 if block_d >= 256 else 64))
