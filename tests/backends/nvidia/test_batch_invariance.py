@@ -48,6 +48,21 @@ def test_matmul_rows_bitwise_equal_for_any_batch_size(dtype, shape, with_bias):
         assert torch.equal(result, results[0]), f"rows computed {m} at a time differ from one at a time"
 
 
+@pytest.mark.parametrize("tiles, waves", [((16, 32, 32, 4), 2), ((32, 32, 64, 4), 4)], ids=["bm16", "bm32_bk64"])
+def test_the_benchmarks_other_tilings_are_batch_invariant_too(tiles, waves):
+    """bench/gpu_gemm.py times other fixed tilings as candidates for production: each keeps a row's bits."""
+    x, w = randn(ROWS, 512, dtype=torch.float32, seed=6), randn(32, 512, dtype=torch.float32, seed=7)
+    assert gemm.split_count(32, 512, torch.float32, tiles, waves) > 1
+
+    def tiled(rows: torch.Tensor) -> torch.Tensor:
+        return gemm.batched_matmul(rows[None], w[None], tiles=tiles, waves=waves)[0]
+
+    results = [in_batches_of(m, x, tiled) for m in BATCH_SIZES]
+    for m, result in zip(BATCH_SIZES[1:], results[1:]):
+        assert torch.equal(result, results[0]), f"rows computed {m} at a time differ from one at a time"
+    torch.testing.assert_close(results[0], F.linear(x, w), rtol=1.3e-6, atol=1e-5 * 512**0.5)
+
+
 def test_head_linear_tokens_bitwise_equal_for_any_batch_size():
     ops = NvidiaOps(batch_invariant=True)
     x, w = randn(17, 2, 256, dtype=torch.float32, seed=4), randn(2, 16, 256, dtype=torch.float32, seed=5)
@@ -109,7 +124,7 @@ def test_bitwise_check_catches_a_gemm_whose_split_depends_on_the_batch(monkeypat
     x, w = randn(3, 256, dtype=torch.float32, seed=12), randn(32, 256, dtype=torch.float32, seed=13)
     assert gemm.split_count(32, 256, torch.float32) > 1
     fixed = gemm.matmul(x, w)
-    monkeypatch.setattr(gemm, "split_count", lambda n, k, dtype: 1)
+    monkeypatch.setattr(gemm, "split_count", lambda n, k, dtype, *tiling: 1)
     unsplit = gemm.matmul(x, w)
     torch.testing.assert_close(unsplit, fixed)
     assert not torch.equal(unsplit, fixed)

@@ -79,20 +79,24 @@ def _tiles(dtype: torch.dtype) -> tuple[int, int, int, int]:
     return 64, 64, 64, 4
 
 
-def split_count(n: int, k: int, dtype: torch.dtype) -> int:
-    """K splits for an [N, K] weight: enough programs for one wave at small M; a function of (N, K) only."""
-    _, bn, bk, _ = _tiles(dtype)
+def split_count(n: int, k: int, dtype: torch.dtype, tiles: tuple[int, int, int, int] | None = None,
+                waves: int = 1) -> int:  # fmt: skip
+    """K splits for an [N, K] weight: enough programs for `waves` waves at small M; a function of (N, K) only."""
+    _, bn, bk, _ = tiles or _tiles(dtype)
     n_tiles, k_tiles = triton.cdiv(n, bn), triton.cdiv(k, bk)
-    return max(1, min(8, SM_COUNT_HINT // n_tiles, k_tiles // 4))
+    return max(1, min(8 * waves, waves * SM_COUNT_HINT // n_tiles, k_tiles // 4))
 
 
 def batched_matmul(
-    a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None, b_scale: BlockFP8 | None = None
-) -> torch.Tensor:
+    a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None, b_scale: BlockFP8 | None = None, *,
+    tiles: tuple[int, int, int, int] | None = None, waves: int = 1, stages: int = 3,
+) -> torch.Tensor:  # fmt: skip
     """a [G, M, K] @ b[G, N, K]^T (+ bias [N]) -> [G, M, N] in a.dtype, batch-invariant in M (any strides).
 
     b_scale: b is the float8 weight of this BlockFP8 (with a leading G dim on its scale): each weight tile
-    is dequantized in registers (rounded to a.dtype, as a dequantize-then-GEMM would), never in memory."""
+    is dequantized in registers (rounded to a.dtype, as a dequantize-then-GEMM would), never in memory.
+    tiles (BM, BN, BK, warps), waves, stages: other fixed tilings, for bench/gpu_gemm.py to compare (each is
+    batch-invariant too: none depends on M); production takes the defaults."""
     groups, m, k = a.shape
     n = b.shape[1]
     out = torch.empty((groups, m, n), dtype=a.dtype, device=a.device)
@@ -101,22 +105,22 @@ def batched_matmul(
     if k == 0:
         return out.zero_() if bias is None else out.copy_(bias.expand_as(out))
     bias = None if bias is None else bias.contiguous()
-    bm, bn, bk, warps = _tiles(a.dtype)
+    bm, bn, bk, warps = tiles or _tiles(a.dtype)
     qbn, qbk = b_scale.block if b_scale is not None else (1, bk)
     if qbk % bk:
         raise ValueError(f"FP8 scale blocks of {qbk} columns are not whole {bk}-column tiles")
     scale = b_scale.scale.reshape(groups, *b_scale.scale.shape[-2:]) if b_scale is not None else out
-    splits = split_count(n, k, a.dtype)
+    splits = split_count(n, k, a.dtype, (bm, bn, bk, warps), waves)
     k_per_split = triton.cdiv(triton.cdiv(k, bk), splits) * bk
     workspace = torch.empty((splits, groups, m, n), dtype=torch.float32, device=a.device) if splits > 1 else out
-    stages = {} if INTERPRET else {"num_stages": 3}
+    launch = {} if INTERPRET else {"num_stages": stages}
     grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn), groups, splits)
     scale_strides = scale.stride() if b_scale is not None else (0, 0, 0)
     _matmul_kernel[grid](
         a, b, bias if bias is not None else out, out, workspace, scale, m, n, k, k_per_split,
         *a.stride(), *b.stride(), *out.stride(), *scale_strides,
         HAS_BIAS=bias is not None and splits == 1, SPLIT_K=splits, F32=dot_in_float32(a.dtype),
-        SCALED=b_scale is not None, QBN=qbn, QBK=qbk, BM=bm, BN=bn, BK=bk, num_warps=warps, **stages,
+        SCALED=b_scale is not None, QBN=qbn, QBK=qbk, BM=bm, BN=bn, BK=bk, num_warps=warps, **launch,
     )  # fmt: skip
     if splits > 1:
         block = 1024

@@ -320,7 +320,8 @@ def sparse_attention(
         per_block = compressed_spec.entries_per_block(block_size)
         comp, compressed_keys = compressed, tables.shape[1] * per_block  # at most the table's entries
         if indices is not None:
-            idx, top_k = indices.sort(dim=1).values, indices.shape[1]  # sorted: repeats side by side
+            # sorted (repeats side by side) as int32: half the radix passes of int64, the same values
+            idx, top_k = indices.to(torch.int32).sort(dim=1).values, indices.shape[1]
             compressed_keys = top_k
         if indices is None:  # each query reads all its entries: decoded once
             stage = True
