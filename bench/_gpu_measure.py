@@ -63,6 +63,31 @@ def _timed(fn, device: torch.device, repeats: int) -> list[float]:
     return times
 
 
+def replayed_ms(fn, device: torch.device, repeats: int, inner: int) -> float:
+    """Median milliseconds of one fn() call. On a GPU `inner` calls are captured in one CUDA graph and replayed,
+    as the engine replays its decode steps: device time, not the host's launch overhead (a Triton launch from
+    Python can take longer than a small kernel runs). Elsewhere the calls run eagerly."""
+    fn()
+    sync(device)
+
+    def run() -> None:
+        for _ in range(inner):
+            fn()
+
+    if device.type == "cuda":
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            run()
+        run = graph.replay
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        run()
+        sync(device)
+        times.append((time.perf_counter() - t0) / inner)
+    return sorted(times)[len(times) // 2] * 1e3
+
+
 def measure_copy_bandwidth(device: torch.device, mebibytes: int, repeats: int = 10) -> dict:
     """Median device-to-device copy of a large buffer; bytes counted as read + write."""
     src = torch.empty(mebibytes << 20, dtype=torch.uint8, device=device).fill_(1)

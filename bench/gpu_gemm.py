@@ -27,7 +27,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import machine, versions  # noqa: E402
-from _gpu_measure import device_info, measure_copy_bandwidth, sync  # noqa: E402
+from _gpu_measure import device_info, measure_copy_bandwidth, replayed_ms  # noqa: E402
 
 from deepinfer_nvidia_sm100.kernels import gemm  # noqa: E402
 
@@ -54,19 +54,6 @@ TILINGS = {
 TINY_TILINGS = {"current": (None, 1, 3), "bm16": ((16, 32, 32, 4), 2, 3)}
 
 
-def _median_ms(fn, device, repeats: int, inner: int) -> float:
-    fn()
-    sync(device)
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        for _ in range(inner):
-            fn()
-        sync(device)
-        times.append((time.perf_counter() - t0) / inner)
-    return sorted(times)[len(times) // 2] * 1e3
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tiny", action="store_true", help="tiny shapes under the interpreter: a CPU smoke run")
@@ -87,14 +74,14 @@ def main(argv: list[str] | None = None) -> int:
         for m in rows_list:
             x = torch.randn(m, k, generator=g, device=device).to(dtype)
             row = {"shape": name, "n": n, "k": k, "m": m, "weight_bound_ms": bound_ms}
-            row["cublas_ms"] = _median_ms(functools.partial(F.linear, x, weight), device, repeats, inner)
+            row["cublas_ms"] = replayed_ms(functools.partial(F.linear, x, weight), device, repeats, inner)
             reference = None
             for tiling, (tiles, waves, stages) in tilings.items():
                 call = functools.partial(gemm.batched_matmul, x[None], weight[None], tiles=tiles, waves=waves,
                                          stages=stages)  # fmt: skip
                 out = call()[0]
                 reference = out if reference is None else reference
-                row[f"{tiling}_ms"] = _median_ms(call, device, repeats, inner)
+                row[f"{tiling}_ms"] = replayed_ms(call, device, repeats, inner)
                 row[f"{tiling}_max_abs_vs_current"] = float((out.float() - reference.float()).abs().max())
             results.append(row)
             print(json.dumps({k_: round(v, 4) if isinstance(v, float) else v for k_, v in row.items()}), flush=True)
@@ -106,7 +93,8 @@ def main(argv: list[str] | None = None) -> int:
         "versions": versions(),
         "dtype": str(dtype),
         "tilings": {name: {"tiles_bm_bn_bk_warps": t, "waves": w, "stages": s} for name, (t, w, s) in tilings.items()},
-        "method": f"median of {repeats} timings of {inner} back-to-back calls, device synchronised around each; "
+        "method": f"median of {repeats} timings of {inner} calls replayed as one CUDA graph (on a GPU), device "
+        "synchronised around each; "
         "weight_bound_ms = the weight's bytes / copy bandwidth (activations not counted)",
         "copy_bandwidth": bandwidth,
         "rows": results,

@@ -15,6 +15,7 @@ smoke run; its times mean nothing).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -28,7 +29,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import machine, versions  # noqa: E402
-from _gpu_measure import device_info, measure_copy_bandwidth, sync  # noqa: E402
+from _gpu_measure import device_info, measure_copy_bandwidth, replayed_ms  # noqa: E402
 
 from deepinfer_core.backend.ops import AttentionMetadata  # noqa: E402
 from deepinfer_core.kv.formats import BlockFormat  # noqa: E402
@@ -131,18 +132,6 @@ class Case:
         return self.batch * per_seq + activations
 
 
-def _median_ms(fn, device, repeats: int) -> float:
-    fn()
-    sync(device)
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        sync(device)
-        times.append(time.perf_counter() - t0)
-    return sorted(times)[len(times) // 2] * 1e3
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter
@@ -171,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
         outs, row = {}, {"kind": kind, "batch": batch, "context": context, "queries_per_sequence": queries}
         for system in SYSTEMS:
             outs[system] = case.run(system)
-            row[f"{system}_ms"] = _median_ms(lambda s=system, c=case: c.run(s), device, repeats)
+            row[f"{system}_ms"] = replayed_ms(functools.partial(case.run, system), device, repeats, inner=5)
         for packed in (False, True):
             moved = case.bytes_read(packed)
             row["packed_bytes" if packed else "plain_bytes"] = moved
@@ -191,8 +180,9 @@ def main(argv: list[str] | None = None) -> int:
         "rate": args.rate,
         "formats": FORMATS,
         "systems": SYSTEMS,
-        "method": "per system: the indexer's scores, the top-k of them, the sparse attention, timed together with "
-        f"the device synchronised (median of {repeats} after one untimed run); bound = bytes_read / copy bandwidth",
+        "method": "per system: the indexer's scores, the top-k of them, the sparse attention, timed together: "
+        f"median of {repeats} replays of a CUDA graph of 5 such steps (on a GPU; eager on the CPU), one untimed "
+        "run first; bound = bytes_read / copy bandwidth",
         "bytes_read": "each sequence's window entries, its queries' distinct picks (<= its visible entries) and "
         "index keys once, plus q, kv, index q and the output; the staged systems' scratch traffic is not counted",
         "copy_bandwidth": bandwidth,
