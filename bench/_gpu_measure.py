@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.metadata
 import math
 import re
+import subprocess
 import time
 
 import torch
@@ -61,6 +62,27 @@ def _timed(fn, device: torch.device, repeats: int) -> list[float]:
         sync(device)
         times.append(time.perf_counter() - t0)
     return times
+
+
+# the GPU's clocks, power, temperature and why it slows its clocks, if it does (nvidia-smi's names; a field the
+# driver does not know reads as its error)
+GPU_STATE_FIELDS = ("clocks.sm", "clocks.max.sm", "power.draw", "temperature.gpu", "clocks_event_reasons.active")
+
+
+def gpu_state(device: torch.device) -> dict:
+    """nvidia-smi's GPU_STATE_FIELDS now ({} off CUDA): beside a timing, to tell throttling from code."""
+    if device.type != "cuda":
+        return {}
+    state = {}
+    for field in GPU_STATE_FIELDS:
+        query = ["nvidia-smi", f"--query-gpu={field}", "--format=csv,noheader,nounits"]
+        try:
+            done = subprocess.run(query, capture_output=True, text=True, timeout=10)
+            lines = (done.stdout or done.stderr).strip().splitlines()
+            state[field] = lines[0] if lines else ""
+        except (OSError, subprocess.TimeoutExpired) as err:
+            state[field] = f"unavailable: {err}"
+    return state
 
 
 def replayed_ms(fn, device: torch.device, repeats: int, inner: int) -> float:

@@ -11,7 +11,7 @@ import time
 import _gpu
 import torch
 from _common import machine, median, versions
-from _gpu_measure import extra_versions, percentile, sync, token_match
+from _gpu_measure import extra_versions, gpu_state, percentile, sync, token_match
 
 from deepinfer_core.backend.registry import discover
 from deepinfer_core.backend.resolve import resolve_backend
@@ -91,6 +91,8 @@ class Ours:
             "prefill_steps": sum(1 for _, prompt_tokens, _ in steps if prompt_tokens),
             "prefill_ms": 1e3 * sum(s for s, prompt_tokens, _ in steps if prompt_tokens),
             "prefix_cached_tokens": cached,
+            "step_ms": [round(1e3 * s, 3) for s in decode],  # in order: a slow stretch shows (see "gpu")
+            "gpu": gpu_state(self.device),
             "tokens": tokens,
         }
 
