@@ -188,7 +188,7 @@ def engine_config(args, block: int, **extra) -> EngineConfig:
 
 
 def run_workload(args, systems: dict, hf, vocab: int, device) -> tuple[dict, dict, list | None]:
-    """Decode at every batch (ours; transformers at args.hf_batches), prefill, the profile of ours_default
+    """Decode at every batch (ours; transformers at args.hf_batches), prefill, the profile of one of ours
     -> (decode {system: {batch: result}}, prefill {system: result}, profiles or None)."""
     decode = {key: {} for key in [*systems, *(["hf"] if hf else [])]}
     for b in args.batches:
@@ -208,11 +208,14 @@ def run_workload(args, systems: dict, hf, vocab: int, device) -> tuple[dict, dic
     if hf is not None:
         prefill["hf"] = hf_prefill(hf, prefill_sets, device)
     profiles = None
-    if args.profile and "ours_default" in systems:
-        profiles = [
-            systems["ours_default"].profile(make_prompts(b, args.prompt_len, vocab, args.seed * 1000 + 700 + b), 5)
-            for b in args.profile_batches
-        ]
+    chosen = getattr(args, "profile_system", "ours_default")
+    if args.profile and chosen not in systems:
+        profiles = [{"system": chosen, "skipped": f"{chosen} was not measured (the report's systems say why)"}]
+    elif args.profile:
+        profiles = []
+        for b in args.profile_batches:
+            prompts = make_prompts(b, args.prompt_len, vocab, args.seed * 1000 + 700 + b)
+            profiles.append({"system": chosen, **systems[chosen].profile(prompts, 5)})
     return decode, prefill, profiles
 
 

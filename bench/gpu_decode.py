@@ -92,6 +92,10 @@ def parse_args(argv):
     )
     p.add_argument("--profile", action="store_true", help="torch.profiler: top 25 kernels of our decode steps")
     p.add_argument("--profile-batches", type=ints, help="default 1,64 (tiny 1,4)")
+    p.add_argument(
+        "--profile-system", default="ours_default", choices=["ours_default", "ours_batch_invariant"],
+        help="which of our systems --profile profiles",
+    )  # fmt: skip
     p.add_argument("--copy-mib", type=int, help="buffer of the copy-bandwidth measurement (default 2048; tiny 16)")
     p.add_argument("--gemm-size", type=int, help="n of the n^3 GEMM peak measurement (default 8192; tiny 256)")
     p.add_argument("--seed", type=int, default=0)

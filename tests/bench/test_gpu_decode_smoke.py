@@ -79,6 +79,9 @@ def test_gpu_decode_tiny_writes_a_complete_report(tmp_path):
     assert fp8_check["exact_expected"] and fp8_check["passed"] and fp8_check["fp8_agreement"] == 1.0, fp8_check
     assert fp8_check["fp8_held"]["tensors"] > 0
     assert report["profile"][0]["top"] and report["profile"][0]["total_ms_per_step"] > 0
+    for result in report["decode"]["ours_default"].values():  # every decode step's time, in order
+        assert len(result["step_ms"]) == result["decode_steps"] and min(result["step_ms"]) > 0
+        assert result["gpu"] == {}  # nvidia-smi's state only on CUDA
     if report["plot"]["written"]:
         assert plot.stat().st_size > 0
     else:
@@ -89,6 +92,7 @@ def test_gpu_decode_measures_batch_invariant_mode_where_the_backend_has_one(tmp_
     pytest.importorskip("deepinfer_rowwise_cpu")
     out = tmp_path / "x.json"
     args = ["--tiny", "--accelerator", "rowwise_cpu", "--out", str(out), "--batches", "2", "--prefill-repeats", "1"]
+    args += ["--profile", "--profile-batches", "2", "--profile-system", "ours_batch_invariant"]
     run = subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=300, env=ENV)
     assert run.returncode == 0, run.stderr[-3000:]
     report = json.loads(out.read_text())
@@ -96,6 +100,8 @@ def test_gpu_decode_measures_batch_invariant_mode_where_the_backend_has_one(tmp_
     assert report["decode"]["ours_batch_invariant"]["2"]["ms_per_step"] > 0
     assert report["comparisons"]["batch_invariant_over_default_throughput"]["2"] > 0
     assert report["comparisons"]["token_match_batch_invariant_vs_default"]["2"]["identical_token_fraction"] == 1.0
+    profile = report["profile"][0]
+    assert profile["system"] == "ours_batch_invariant" and profile["batch"] == 2 and profile["top"]
 
 
 @pytest.mark.usefixtures("one_torch_thread")  # in this process: see ENV

@@ -101,7 +101,7 @@ def test_gpu_decode_v41_tiny_says_it_has_no_transformers_baseline(tmp_path):
     # a group's compressed entries live on its kv source; every attending layer of the group reads them
     reads = report["bound"]["counted"]["per_sequence_cache_reads"]
     assert reads["compressed"]["held_by"] == [1, 3] and reads["compressed"]["read_by"] == [1, 2, 3, 4]
-    assert report["profile"][0]["top"]
+    assert report["profile"][0]["top"] and report["profile"][0]["system"] == "ours_default"
 
 
 def test_gpu_decode_v4_skip_ours_bounds_from_the_declared_caches(tmp_path):
