@@ -15,6 +15,7 @@ from deepinfer_core.kv.packed import PackedKVLayout
 from deepinfer_core.reference.attention import ReferenceAttention
 from deepinfer_core.reference.kv import ReferenceKVLayout
 from deepinfer_nvidia_sm100.kernels import indexer, sparse_attention
+from deepinfer_nvidia_sm100.kernels import packed as packed_kernels
 from deepinfer_nvidia_sm100.kernels.packed import stage_blocks, stage_ring
 from deepinfer_nvidia_sm100.kv import NvidiaKVLayout
 from deepinfer_nvidia_sm100.ops import NvidiaAttention
@@ -208,11 +209,15 @@ def test_staging_decodes_the_steps_rows_as_kv_formats_does(dtype):
             assert torch.equal(staged[new * per_block : (new + 1) * per_block], expected), block
 
 
-@pytest.mark.parametrize("batch_invariant", [False, True], ids=["default", "batch_invariant"])
-def test_the_batch_invariant_mode_never_stages_by_shapes(batch_invariant, monkeypatch):
+@pytest.mark.parametrize(
+    "batch_invariant, max_bytes", [(False, None), (True, None), (False, 0)], ids=["default", "batch_invariant", "cap"]
+)
+def test_the_batch_invariant_mode_never_stages_by_shapes(batch_invariant, max_bytes, monkeypatch):
     """Default mode: this step's top-k picks and (a prefill's) index keys are staged, as their shapes make
-    cheaper; batch-invariant mode: decoded in the kernels whatever the shapes (staged or not may round
-    differently on a GPU). The ring is staged in both: the same way at every shape."""
+    cheaper, unless the scratch would pass STAGE_MAX_BYTES; batch-invariant mode: decoded in the kernels
+    whatever the shapes (staged or not may round differently on a GPU). The ring is staged in every case."""
+    if max_bytes is not None:
+        monkeypatch.setattr(packed_kernels, "STAGE_MAX_BYTES", max_bytes)
     staged = []
 
     def counting(cache, spec, *args):
@@ -225,7 +230,7 @@ def test_the_batch_invariant_mode_never_stages_by_shapes(batch_invariant, monkey
     attention = NvidiaAttention(PackedKVLayout(CPU, BLOCK_SIZE), batch_invariant)
     step.attend(attention, True)
     step.select(attention, True)
-    assert staged == ([] if batch_invariant else [ENTRY_FORMAT, INDEX_FORMAT])
+    assert staged == ([] if batch_invariant or max_bytes == 0 else [ENTRY_FORMAT, INDEX_FORMAT])
 
 
 def test_packed_rows_of_another_width_are_refused_with_the_reason():

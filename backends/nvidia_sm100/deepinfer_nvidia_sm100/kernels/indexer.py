@@ -20,8 +20,9 @@ import triton
 import triton.language as tl
 
 from deepinfer_core.kv.layout import CacheSpec
+from deepinfer_nvidia_sm100.kernels import packed
 from deepinfer_nvidia_sm100.kernels._common import INTERPRET, dot_in_float32, mma, next_pow2
-from deepinfer_nvidia_sm100.kernels.packed import format_code, load_rows, stage_blocks
+from deepinfer_nvidia_sm100.kernels.packed import format_code, load_rows, stage_blocks, staged_bytes
 from deepinfer_nvidia_sm100.kernels.sparse_attention import token_metadata
 
 __all__ = ["index_scores", "indexer_select", "indexer_topk"]
@@ -71,7 +72,8 @@ def index_scores(
 
     stage: packed keys decoded once into a scratch (kernels.packed.stage_blocks, True) or by every query that
     reads them (False); None: staged where the step averages two queries or more a sequence (a prefill's
-    chunks), where each program decoding its own would repeat the work. The same bits under the interpreter
+    chunks), where each program decoding its own would repeat the work, and the scratch stays within
+    kernels.packed.STAGE_MAX_BYTES. The same bits under the interpreter
     and in the H200 tests; the batch-invariant mode passes False all the same."""
     tokens, heads, dim = q.shape
     per_block = keys_spec.entries_per_block(kv_block_size)
@@ -84,7 +86,10 @@ def index_scores(
         return scores, visible
     if q.stride(-1) != 1:
         q = q.contiguous()
-    if format_code(keys, keys_spec) and (stage if stage is not None else 2 * tables.shape[0] <= tokens):
+    if format_code(keys, keys_spec) and stage is None:
+        fits = staged_bytes(keys_spec, tables, per_block, q.dtype) <= packed.STAGE_MAX_BYTES
+        stage = fits and 2 * tables.shape[0] <= tokens
+    if format_code(keys, keys_spec) and stage:
         keys, tables = stage_blocks(keys, keys_spec, tables, per_block, q.dtype)
     block_d = max(16, next_pow2(dim))
     block_c = 32 if INTERPRET else 128

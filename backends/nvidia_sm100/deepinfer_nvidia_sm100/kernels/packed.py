@@ -23,9 +23,12 @@ from deepinfer_core.kv.formats import BLOCK_FORMATS
 from deepinfer_core.kv.layout import CacheSpec
 from deepinfer_nvidia_sm100.kernels._common import INTERPRET, next_pow2
 
-__all__ = ["format_code", "load_rows", "stage_blocks", "stage_ring"]
+__all__ = ["STAGE_MAX_BYTES", "format_code", "load_rows", "stage_blocks", "stage_ring", "staged_bytes"]
 
 PLAIN, FP8_POW2, FP4_POW2, FP4_E4M3, FP8_POW2_CVT = 0, 1, 2, 3, 4
+# the largest scratch a choice by shapes stages blocks into (a long context's chunk would decode every entry of
+# its sequence: 1 GiB at a million tokens of V4.1's ratio-1 entries); past it the kernels decode in registers
+STAGE_MAX_BYTES = 256 << 20
 _CODES = dict(zip(BLOCK_FORMATS, (FP8_POW2, FP4_POW2, FP4_E4M3)))
 
 
@@ -124,6 +127,11 @@ def stage_ring(ring: torch.Tensor, spec: CacheSpec, seq_slots: torch.Tensor, dty
     offsets = torch.arange(ring_size, device=ring.device)
     rows = (seq_slots.long()[:, None] * ring_size + offsets).flatten()
     return unpack_rows(ring, spec, rows, dtype), torch.arange(seq_slots.shape[0], device=ring.device)
+
+
+def staged_bytes(spec: CacheSpec, tables: torch.Tensor, per_block: int, dtype: torch.dtype) -> int:
+    """The scratch stage_blocks would fill for block tables `tables`: known on the host, from shapes alone."""
+    return tables.numel() * per_block * spec.head_dim * dtype.itemsize
 
 
 def stage_blocks(cache: torch.Tensor, spec: CacheSpec, tables: torch.Tensor, per_block: int, dtype: torch.dtype):

@@ -9,9 +9,9 @@ A query token t attends, for each of its H heads, to its key sequence:
 The caches are row-per-slot tensors (PackedKVLayout, the nvidia_sm100 layout): [rows, 1, D] of q's dtype, or, for a
 spec with a stored_format, packed rows [rows, bytes] (kernels.packed); this step's kv rows are always q's dtype.
 A packed ring is staged (kernels.packed.stage_ring: the step's rings decoded once, not once per head block and
-query), and so are packed compressed entries that queries read all of (stage_blocks). Top-k picks of packed
-entries are staged or decoded in the kernel's registers (`stage`): staged unless the step's blocks hold more
-entries than its queries' top-k rows together (a long context's decode). Both read the same values with the same
+query). Packed compressed entries are staged (stage_blocks) or decoded in the kernel's registers (`stage`):
+staged while the scratch stays within STAGE_MAX_BYTES and, for top-k picks, the step's blocks hold no more
+entries than its queries' picks together (not so in a long context's decode). Both read the same values with the same
 tiles, and under Triton's interpreter give the same bits; compiled for an H200 at V4.1 Flash's width they have
 differed in the last bit of a few outputs, so the batch-invariant mode fixes the choice (stage=False).
 
@@ -51,8 +51,9 @@ import torch
 import triton
 import triton.language as tl
 
+from deepinfer_nvidia_sm100.kernels import packed
 from deepinfer_nvidia_sm100.kernels._common import INTERPRET, dot_in_float32, mma, next_pow2
-from deepinfer_nvidia_sm100.kernels.packed import format_code, load_rows, stage_blocks, stage_ring
+from deepinfer_nvidia_sm100.kernels.packed import format_code, load_rows, stage_blocks, stage_ring, staged_bytes
 
 __all__ = ["sparse_attention"]
 
@@ -297,8 +298,8 @@ def sparse_attention(
     split_keys: keys per split (a power of two; it sets the rounding, so it is fixed in production).
     split: the split launch (True) or the single pass (False), which give the same bits; None (production)
     chooses by the shapes, as the module docstring says.
-    stage: whether packed compressed entries read by top-k are staged (True) or decoded in the kernel (False);
-    None chooses by the shapes (the module docstring; not batch-invariant on a GPU)."""
+    stage: whether packed compressed entries are staged (True) or decoded in the kernel (False); None chooses by
+    the shapes (the module docstring; not batch-invariant on a GPU)."""
     tokens, heads, dim = q.shape
     out = torch.empty((tokens, heads, dim), dtype=q.dtype, device=q.device)
     if tokens == 0:
@@ -323,10 +324,9 @@ def sparse_attention(
             # sorted (repeats side by side) as int32: half the radix passes of int64, the same values
             idx, top_k = indices.to(torch.int32).sort(dim=1).values, indices.shape[1]
             compressed_keys = top_k
-        if indices is None:  # each query reads all its entries: decoded once
-            stage = True
-        elif stage is None:  # the step's entries decoded once, unless there are more of them than picks
-            stage = tables.numel() * per_block <= tokens * top_k
+        if comp_packed and stage is None:  # the step's entries decoded once, unless there are more than picks
+            fits = staged_bytes(compressed_spec, tables, per_block, q.dtype) <= packed.STAGE_MAX_BYTES
+            stage = fits and (indices is None or tables.numel() * per_block <= tokens * top_k)
         if comp_packed and stage:
             comp, tables = stage_blocks(compressed, compressed_spec, tables, per_block, q.dtype)
     window_splits = triton.cdiv(ring_spec.window, split_keys)
