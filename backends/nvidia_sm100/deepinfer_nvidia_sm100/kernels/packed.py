@@ -93,19 +93,21 @@ def load_rows(ptr, rows, stride, mask, d, in_d, FMT: tl.constexpr, D: tl.constex
 @triton.jit
 def _unpack_rows_kernel(src_ptr, rows_ptr, dst_ptr, n, ssrc, sdst, FMT: tl.constexpr, D: tl.constexpr,
                         BD: tl.constexpr, BLOCK_R: tl.constexpr):  # fmt: skip
-    """dst[i] = the entry at row rows[i] of src, decoded (FMT) and cast to dst's dtype."""
+    """dst[i] = the entry at row rows[i] of src, decoded (FMT) and cast to dst's dtype; untouched where rows[i] < 0."""
     i = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    live = i < n
     d = tl.arange(0, BD)
     in_d = d < D
-    rows = tl.load(rows_ptr + i, mask=live, other=0)
+    rows = tl.load(rows_ptr + i, mask=i < n, other=-1)
+    live = rows >= 0
+    rows = tl.maximum(rows, 0)
     values = load_rows(src_ptr, rows, ssrc, live, d, in_d, FMT, D)
     out = dst_ptr + i.to(tl.int64)[:, None] * sdst + d[None, :]
     tl.store(out, values.to(dst_ptr.dtype.element_ty), mask=live[:, None] & in_d[None, :])
 
 
 def unpack_rows(cache: torch.Tensor, spec: CacheSpec, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The entries at `rows` [n] (int64, valid rows) of packed `cache`, decoded -> [n, head_dim] of `dtype`."""
+    """The entries at `rows` [n] (int64 rows of `cache`, or -1: left unwritten) of packed `cache`, decoded ->
+    [n, head_dim] of `dtype`."""
     dim = spec.head_dim
     out = torch.empty((rows.numel(), dim), dtype=dtype, device=cache.device)
     if rows.numel() == 0:
@@ -136,10 +138,9 @@ def staged_bytes(spec: CacheSpec, tables: torch.Tensor, per_block: int, dtype: t
 
 def stage_blocks(cache: torch.Tensor, spec: CacheSpec, tables: torch.Tensor, per_block: int, dtype: torch.dtype):
     """(scratch [B x W x per_block, D], tables [B, W]): the entries of every block in the step's block tables
-    [B, W] decoded, block (b, w) at block b x W + w of the scratch; -1 stays -1 (block 0 is decoded there, and
-    never read)."""
+    [B, W] decoded, block (b, w) at block b x W + w of the scratch; -1 stays -1 (nothing decoded there)."""
     batch, width = tables.shape
     offsets = torch.arange(per_block, device=cache.device)
-    rows = (tables.clamp(min=0).long()[:, :, None] * per_block + offsets).flatten()
+    rows = torch.where(tables[:, :, None] >= 0, tables.long()[:, :, None] * per_block + offsets, -1).flatten()
     staged = torch.arange(batch * width, device=cache.device).view(batch, width)
     return unpack_rows(cache, spec, rows, dtype), torch.where(tables >= 0, staged, -1)
