@@ -73,8 +73,8 @@ def index_scores(
     stage: packed keys decoded once into a scratch (kernels.packed.stage_blocks, True) or by every query that
     reads them (False); None: staged where the step averages two queries or more a sequence (a prefill's
     chunks), where each program decoding its own would repeat the work, and the scratch stays within
-    kernels.packed.STAGE_MAX_BYTES. The same bits under the interpreter
-    and in the H200 tests; the batch-invariant mode passes False all the same."""
+    kernels.packed.STAGE_MAX_BYTES. The same bits under the interpreter and in the H200 tests; the
+    batch-invariant mode passes False all the same."""
     tokens, heads, dim = q.shape
     per_block = keys_spec.entries_per_block(kv_block_size)
     tables = meta.block_tables
