@@ -101,13 +101,8 @@ def replayed_ms(fn, device: torch.device, repeats: int, inner: int) -> float:
         with torch.cuda.graph(graph):
             run()
         run = graph.replay
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        run()
-        sync(device)
-        times.append((time.perf_counter() - t0) / inner)
-    return sorted(times)[len(times) // 2] * 1e3
+    times = sorted(_timed(run, device, repeats))
+    return times[len(times) // 2] / inner * 1e3
 
 
 def measure_copy_bandwidth(device: torch.device, mebibytes: int, repeats: int = 10) -> dict:

@@ -86,10 +86,11 @@ def index_scores(
         return scores, visible
     if q.stride(-1) != 1:
         q = q.contiguous()
-    if format_code(keys, keys_spec) and stage is None:
+    packed_keys = format_code(keys, keys_spec) != 0
+    if packed_keys and stage is None:
         fits = staged_bytes(keys_spec, tables, per_block, q.dtype) <= packed.STAGE_MAX_BYTES
         stage = fits and 2 * tables.shape[0] <= tokens
-    if format_code(keys, keys_spec) and stage:
+    if packed_keys and stage:
         keys, tables = stage_blocks(keys, keys_spec, tables, per_block, q.dtype)
     block_d = max(16, next_pow2(dim))
     block_c = 32 if INTERPRET else 128
