@@ -120,6 +120,26 @@ def test_linear(dtype, shape, with_bias):
     assert_matches(OPS.linear(x, w, bias), REF.linear(x, w, bias), reduced=k)
 
 
+# (N, K, dtype, K splits) at the GPU's bfloat16 tiles (64 x 64 x 64) / float32 tiles (32 x 32 x 32), 132 programs
+# a wave: column tiles filling under half a wave fill one wave; half a wave or more, about two; one full wave, one
+SPLIT_RULE = [
+    (512, 5120, torch.bfloat16, 8),  # 8 column tiles: 16 splits would fill the wave; at most 8
+    (1280, 5120, torch.bfloat16, 6),  # 20 tiles: 6 splits, 120 programs
+    (5120, 8192, torch.bfloat16, 4),  # 80 tiles (V4.1's o_b): 4 splits, 320 programs, not 1 split's 80
+    (4608, 5120, torch.bfloat16, 4),  # 72 tiles (the shared expert's gate_up)
+    (32768, 1280, torch.bfloat16, 1),  # 512 tiles: several waves already
+    (5120, 256, torch.bfloat16, 1),  # 4 K tiles: too short to split
+    (24, 20480, torch.float32, 128),  # a hyper-connection mixer: one column tile, 640 K tiles
+    (32, 5120, torch.float32, 80),  # a router: 160 K tiles, at least 2 a split
+]
+
+
+@pytest.mark.parametrize("n, k, dtype, splits", SPLIT_RULE)
+def test_split_count_rule(n, k, dtype, splits):
+    tiles = (32, 32, 32, 4) if dtype == torch.float32 else (64, 64, 64, 4)
+    assert gemm.split_count(n, k, dtype, tiles) == splits
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_linear_on_strided_input_and_transposed_weight(dtype):
     x = randn(6, 80, dtype=dtype, seed=14)[:, 8:72]  # [6, 64], row stride 80

@@ -62,7 +62,7 @@ def _split_sum_kernel(
     idx = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = idx < M * N
     acc = tl.zeros((BLOCK,), dtype=tl.float32)
-    for split in range(SPLIT_K):  # always in split order: the sum does not depend on M
+    for split in tl.static_range(SPLIT_K):  # in split order (the sum does not depend on M); unrolled: loads overlap
         acc += tl.load(ws_ptr + (split * nb + batch) * M * N + idx, mask=mask, other=0.0)
     m, n = idx // N, idx % N
     if HAS_BIAS:
@@ -74,28 +74,40 @@ def _tiles(dtype: torch.dtype) -> tuple[int, int, int, int]:
     """(BM, BN, BK, num_warps): depends on the dtype only, never on M."""
     if INTERPRET:
         return 16, 32, 32, 4
-    if dtype == torch.float32:
-        return 64, 64, 32, 4
+    if dtype == torch.float32:  # IEEE products run on the FMA units: a small row tile wastes less at decode's few rows
+        return 32, 32, 32, 4
     return 64, 64, 64, 4
 
 
-def split_count(n: int, k: int, dtype: torch.dtype, tiles: tuple[int, int, int, int] | None = None,
-                waves: int = 1) -> int:  # fmt: skip
-    """K splits for an [N, K] weight: enough programs for `waves` waves at small M; a function of (N, K) only."""
+def split_count(
+    n: int, k: int, dtype: torch.dtype, tiles: tuple[int, int, int, int] | None = None, waves: int = 1,
+    max_splits: int | None = None,
+) -> int:  # fmt: skip
+    """K splits for an [N, K] weight, a function of (N, K) only: at small M, enough programs to keep the weight
+    streaming — one wave where the column tiles alone nearly fill one (more splits only add partial sums), about
+    two waves where they fill half a wave or more (one program an SM does not keep enough bytes in flight).
+
+    float32 (the routers, the hyper-connection mixers, the compressors' gates: few columns, long K, products on
+    the FMA units) splits up to 128 ways, at least 2 K tiles a split; other dtypes up to 8 ways (the float32
+    partials cost a prefill chunk more than they win), at least 4 K tiles a split."""
     _, bn, bk, _ = tiles or _tiles(dtype)
     n_tiles, k_tiles = triton.cdiv(n, bn), triton.cdiv(k, bk)
-    return max(1, min(8 * waves, waves * SM_COUNT_HINT // n_tiles, k_tiles // 4))
+    wide = dtype == torch.float32
+    limit = max_splits if max_splits is not None else (128 if wide else 8) * waves
+    programs = waves * SM_COUNT_HINT
+    wanted = programs // n_tiles if 2 * n_tiles < programs else triton.cdiv(2 * programs, n_tiles)
+    return max(1, min(limit, wanted, k_tiles // (2 if wide else 4)))
 
 
 def batched_matmul(
     a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None, b_scale: BlockFP8 | None = None, *,
-    tiles: tuple[int, int, int, int] | None = None, waves: int = 1, stages: int = 3,
+    tiles: tuple[int, int, int, int] | None = None, waves: int = 1, stages: int = 3, max_splits: int | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """a [G, M, K] @ b[G, N, K]^T (+ bias [N]) -> [G, M, N] in a.dtype, batch-invariant in M (any strides).
 
     b_scale: b is the float8 weight of this BlockFP8 (with a leading G dim on its scale): each weight tile
     is dequantized in registers (rounded to a.dtype, as a dequantize-then-GEMM would), never in memory.
-    tiles (BM, BN, BK, warps), waves, stages: other fixed tilings, for bench/gpu_gemm.py to compare (each is
+    tiles (BM, BN, BK, warps), waves, stages, max_splits: other fixed tilings, for bench/gpu_gemm.py to compare (each is
     batch-invariant too: none depends on M); production takes the defaults."""
     groups, m, k = a.shape
     n = b.shape[1]
@@ -110,7 +122,7 @@ def batched_matmul(
     if qbk % bk:
         raise ValueError(f"FP8 scale blocks of {qbk} columns are not whole {bk}-column tiles")
     scale = b_scale.scale.reshape(groups, *b_scale.scale.shape[-2:]) if b_scale is not None else out
-    splits = split_count(n, k, a.dtype, (bm, bn, bk, warps), waves)
+    splits = split_count(n, k, a.dtype, (bm, bn, bk, warps), waves, max_splits)
     k_per_split = triton.cdiv(triton.cdiv(k, bk), splits) * bk
     workspace = torch.empty((splits, groups, m, n), dtype=torch.float32, device=a.device) if splits > 1 else out
     launch = {} if INTERPRET else {"num_stages": stages}
