@@ -114,6 +114,8 @@ class KVLayout(Protocol):
 
     # Optional: `entry_bytes(spec) -> int`, the bytes one slot of `spec` takes (what core sizes the caches by);
     # without it, core counts the canonical entry, prod(spec.entry_shape) * spec.dtype.itemsize.
+    # Optional: `slot_is_row = True`, a promise that slot id = row index of every cache `allocate` returns (one
+    # entry a row: the canonical entry, or its packed bytes): what kernels that index caches directly check.
 
 
 def paged_slots(block_table: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:

@@ -23,6 +23,8 @@ class PackedKVLayout:
     """Slot id = row index. A cache with a stored_format is [rows, row_bytes] uint8 (each row the packed
     entry, its heads side by side); any other is [rows, *entry_shape] of its dtype."""
 
+    slot_is_row = True
+
     def __init__(self, device: torch.device, block_size: int = 128) -> None:
         self.device = device
         self.block_size = block_size

@@ -13,6 +13,8 @@ class ReferenceKVLayout:
     """PAGED: [num_blocks * entries per block, H, D]; SLIDING_WINDOW: [seqs * ring_size, H, D];
     SEQUENCE_STATE: [seqs, *state_shape]. Slot id = row index, so gather is plain indexing."""
 
+    slot_is_row = True
+
     def __init__(self, device: torch.device, block_size: int = 128) -> None:
         self.device = device
         self.block_size = block_size

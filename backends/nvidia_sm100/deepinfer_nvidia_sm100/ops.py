@@ -24,8 +24,6 @@ import torch.nn.functional as F
 from deepinfer_core.backend.ops import AttentionMetadata, BlockFP8, RoutingConfig, check_layer_fn
 from deepinfer_core.kv.formats import BlockFormat
 from deepinfer_core.kv.layout import CacheSpec, KVLayout
-from deepinfer_core.kv.packed import PackedKVLayout
-from deepinfer_core.reference.kv import ReferenceKVLayout
 from deepinfer_nvidia_sm100.kernels import (
     attention,
     elementwise,
@@ -178,8 +176,8 @@ class NvidiaOps:
 
 class NvidiaAttention:
     """Implements AttentionOps, V4AttentionOps and V41AttentionOps by Triton kernels over the row-per-slot
-    caches of `PackedKVLayout` (paged, compressed paged, sliding-window rings; DeepSeek-V4.1's KV in FP8 / FP4)
-    or `ReferenceKVLayout`, with no host reads.
+    caches of a layout with one row per slot (`KVLayout.slot_is_row`: `PackedKVLayout`'s paged, compressed paged
+    and sliding-window rings, DeepSeek-V4.1's KV in FP8 / FP4 among them), with no host reads.
 
     sparse_attention, indexer_topk and indexer_select read q and caches of one float32 / bfloat16 / float16
     dtype, or caches packed in their spec's stored_format, one cached head; anything else is refused with a
@@ -225,8 +223,8 @@ class NvidiaAttention:
     def _check_reads(self, op: str, q: torch.Tensor, tensors: list) -> None:
         """Raise ValueError unless the kernels read q and `tensors` [(name, tensor, its CacheSpec or None)]."""
         why = None
-        if not isinstance(self.layout, (PackedKVLayout, ReferenceKVLayout)):
-            why = f"the KV layout is {type(self.layout).__name__}, not a row-per-slot PackedKVLayout"
+        if not getattr(self.layout, "slot_is_row", False):
+            why = f"the KV layout is {type(self.layout).__name__}, not one row per slot (KVLayout.slot_is_row)"
         elif q.dtype not in (torch.float32, torch.bfloat16, torch.float16):
             why = f"q is {q.dtype}; the kernels take float32, bfloat16 or float16"
         for name, t, spec in tensors if why is None else ():

@@ -243,6 +243,21 @@ def test_packed_rows_of_another_width_are_refused_with_the_reason():
                                    scale=0.3)  # fmt: skip
 
 
+class BlockedRows(PackedKVLayout):
+    """A layout whose slots are not rows (say, a head-major one): it does not promise slot_is_row."""
+
+    slot_is_row = False
+
+
+def test_a_layout_without_one_row_per_slot_is_refused_with_the_reason():
+    step = Step(torch.bfloat16)
+    attention = NvidiaAttention(BlockedRows(CPU, BLOCK_SIZE))
+    cache_specs, caches = step.caches(PackedKVLayout(CPU, BLOCK_SIZE), packed=True)
+    with pytest.raises(ValueError, match=r"the KV layout is BlockedRows, not one row per slot"):
+        attention.sparse_attention(step.q, step.kv, caches["window"], cache_specs["window"], step.meta,
+                                   sinks=step.sinks, scale=0.3)  # fmt: skip
+
+
 # ----------------------------------------------------------------------------- writing packed rows
 
 
