@@ -245,3 +245,6 @@ def test_flags_refused_before_anything_loads(capsys):
     assert "is not JSON" in parse_error(capsys, ["serve", "--override-generation-config", "max_new_tokens=5"])
     assert "'4.5K' is not an integer" in parse_error(capsys, ["serve", "--max-model-len", "4.5K"])
     assert "'1.5' is not a fraction in (0, 1]" in parse_error(capsys, ["serve", "--gpu-memory-utilization", "1.5"])
+    error = parse_error(capsys, ["serve", "--speculative-config", '{"method": "ngram"}'])
+    assert "num_speculative_tokens must be given" in error
+    assert "not valid JSON" in parse_error(capsys, ["serve", "--speculative-config", "ngram"])

@@ -56,6 +56,7 @@ def build_state(settings: ServeSettings):
         window_snapshot_gb=settings.window_snapshot_gb,
         batch_invariant=settings.batch_invariant,
         graph_batch_size=0 if settings.enforce_eager else 256,
+        speculative_config=settings.speculative_config,
         progress=sys.stderr.isatty(),
     )
     if llm.tokenizer is None:

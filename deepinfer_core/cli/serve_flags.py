@@ -118,6 +118,15 @@ def _engine_flags(parser: argparse.ArgumentParser) -> None:
         help="a request's output does not depend on the rest of the batch (backends that offer it)",
     )
     p.add_argument("--enforce-eager", action="store_true", help="never replay decode steps from device graphs")
+    p.add_argument(
+        "--speculative-config",
+        metavar="JSON",
+        default=_default("speculative_config"),
+        help='speculative decoding, vLLM\'s JSON: {"method": "ngram", "num_speculative_tokens": 4, '
+        '"prompt_lookup_max": 4, "prompt_lookup_min": 1}; output as without it (coupled acceptance). '
+        "Implemented: method ngram, verify fixed, acceptance coupled; models with paged caches only (DeepSeek "
+        "V2/V3) (default: off)",
+    )
 
 
 def _server_flags(parser: argparse.ArgumentParser) -> None:

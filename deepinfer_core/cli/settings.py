@@ -155,6 +155,7 @@ class ServeSettings(BaseSettings):
     window_snapshot_gb: float = Field(4.0, ge=0)
     batch_invariant: bool = False
     enforce_eager: bool = False
+    speculative_config: str | None = None  # vLLM's JSON; engine/speculative.py parses and checks it
     # the HTTP server
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
@@ -181,6 +182,18 @@ class ServeSettings(BaseSettings):
     @classmethod
     def _no_empty_key(cls, value: str | None) -> str | None:
         return value or None
+
+    @field_validator("speculative_config")
+    @classmethod
+    def _speculative(cls, value: str | None) -> str | None:
+        from deepinfer_core.engine.speculative import SpeculativeConfig, SpeculativeError  # torch: only when given
+
+        if value is not None:
+            try:
+                SpeculativeConfig.parse(value)
+            except SpeculativeError as err:
+                raise ValueError(str(err)) from None
+        return value
 
     @model_validator(mode="after")
     def _one_kv_cache_size(self) -> ServeSettings:

@@ -8,6 +8,10 @@ step N-1 may be in step N, whose token for it is dropped. What callers see is wh
 scheduling gives. Penalties count the in-flight token (copied in on the device); logits processors
 read output tokens on the host, so with any loaded the engine schedules synchronously.
 
+With speculative decoding (`EngineConfig.speculative`, engine/speculative.py) a decode step verifies drafted
+tokens and may yield several; the engine then schedules synchronously (the next step is planned from how
+many were accepted).
+
 A request with n > 1 (or best_of) runs one sequence per sample (`SamplingParams.fan_out`), all under its
 request id; the samples after the first wait until the first one's prompt is in the prefix cache and
 read its KV from there. See `RequestGroup` for what is reported about them.
@@ -32,9 +36,11 @@ from deepinfer_core.engine.request import Delta, Request, RequestGroup, RequestO
 from deepinfer_core.engine.runner import ModelRunner
 from deepinfer_core.engine.scheduler import Scheduler, SchedulerConfig
 from deepinfer_core.engine.snapshots import WindowSnapshots, first_needed
+from deepinfer_core.engine.speculative import SpeculativeConfig, SpeculativeError, SpeculativeStats, accepted_prefix
 from deepinfer_core.engine.stops import find_stop, held_back
 from deepinfer_core.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from deepinfer_core.errors import DeepInferError
+from deepinfer_core.kv.layout import CacheKind
 from deepinfer_core.sampling.params import SamplingParams
 
 __all__ = ["Engine", "EngineConfig", "RequestError"]
@@ -59,6 +65,7 @@ class EngineConfig:
     async_scheduling: bool | None = None  # None: where the backend's capabilities say it supports it
     graph_batch_size: int = 256  # decode steps of up to this many sequences replay device graphs; 0: never
     seed: int | None = None  # seeds requests without one (vLLM's --seed); None: from system randomness
+    speculative: SpeculativeConfig | None = None  # draft and verify (vLLM's --speculative-config); None: off
 
     def __post_init__(self) -> None:
         for name in ("num_kv_blocks", "kv_cache_memory_bytes", "max_model_len"):
@@ -69,6 +76,19 @@ class EngineConfig:
                 f"got {self.window_snapshot_bytes}"
             )
         check_prefix_replay(self.prefix_replay)
+
+
+def _check_speculative(model) -> None:
+    """Speculative decoding rolls rejected drafts back in paged caches only (their KV past the sequence's
+    length is never read, and is overwritten): refuse models with per-sequence caches."""
+    kinds = {spec.kind for layer in model.cache_specs for spec in layer.values()}
+    others = sorted(kind.value for kind in kinds - {CacheKind.PAGED})
+    if others:
+        raise SpeculativeError(
+            f"speculative decoding of {type(model).__name__} is not supported yet: its {', '.join(others)} "
+            "caches would need rejected drafts rolled back (paged caches only so far); run it without "
+            "--speculative-config"
+        )
 
 
 class Engine:
@@ -120,7 +140,17 @@ class Engine:
         self.snapshots = self.blocks.snapshots  # None: the model has no per-sequence caches, or no budget
         snapshots.log_start(self.blocks.replay_tokens if config.enable_prefix_caching else None)
         self.runner.snapshot_boundaries = self.snapshots is not None
-        self.scheduler = Scheduler(config.scheduler, self.blocks, backend.cost_model)
+        spec = config.speculative
+        if spec is not None:
+            _check_speculative(model)
+        self.scheduler = Scheduler(
+            config.scheduler,
+            self.blocks,
+            backend.cost_model,
+            proposer=spec.proposer() if spec else None,
+            num_speculative_tokens=spec.num_speculative_tokens if spec else 0,
+        )
+        self.spec_stats = SpeculativeStats() if spec else None
         self.observers = list(observers)
         eos = set(model.config.eos_token_ids)
         if tokenizer is not None and tokenizer.eos_token_id is not None:
@@ -136,6 +166,9 @@ class Engine:
         self.async_scheduling = backend.capabilities.async_scheduling if wanted is None else wanted
         if self.async_scheduling and self.runner.logits_processors:  # they read output tokens on the host
             log.info("logits processors are loaded: the engine schedules synchronously")
+            self.async_scheduling = False
+        if self.async_scheduling and spec is not None:  # a step is planned from the previous one's acceptances
+            log.info("speculative decoding is on: the engine schedules synchronously")
             self.async_scheduling = False
 
     # ---- requests -------------------------------------------------------------------------------
@@ -246,14 +279,14 @@ class Engine:
             needed = [first_needed(r, self.blocks.block_size, True) for r, _ in scheduled.requests]
         launched = LaunchedStep(scheduled, self.runner.execute(scheduled.requests, in_flight))
         for row, (request, count) in enumerate(scheduled.requests):
-            request.num_computed_tokens += count
+            request.num_computed_tokens += count - len(request.draft_token_ids)  # drafts: once accepted
             self.blocks.cache_full_blocks(request)  # blocks whose tokens are all known on the host
             if needed is not None:
                 self.snapshots.after_step(request, needed[row])
             if request.num_computed_tokens >= len(request.prompt_token_ids):
                 self._release_samples(request)
-        for request in launched.sampled:
-            request.num_pending_tokens += 1  # known when this step is finalized
+        for request in dict.fromkeys(launched.sampled):  # a verify step samples a request on several rows
+            request.num_pending_tokens += 1  # known when this step is finalized (with any accepted drafts)
         for chunk in launched.output.prompt_logprobs:
             chunk.request.num_prompt_logprobs = chunk.first + chunk.logprobs.logprobs.shape[0] - 1
         return launched
@@ -273,25 +306,33 @@ class Engine:
             if group is not None and not chunk.request.finished and group.prompt_logprobs is not None:
                 self._logprobs.record_prompt(group, chunk)
         changed: dict[RequestGroup, dict[int, Delta]] = {}
-        for row, request in enumerate(step.sampled):
+        row = 0
+        while row < len(step.sampled):
+            request = step.sampled[row]
+            drafts = step.drafts.get(request, ())
+            rows = range(row, row + len(drafts) + 1)  # its own token's row, then one per draft
+            row = rows.stop
             request.num_pending_tokens -= 1
             if request.finished:  # stopped or aborted after this step was issued: drop the token
                 continue
-            token = results.token_ids[row]
-            request.output_token_ids.append(token)
-            request.cumulative_logprob += results.logprobs[row]  # always: best_of ranks samples by it
-            if (wanted := request.params.logprobs) is not None:
-                rank = results.ranks[row] if results.ranks is not None else None
-                top = (results.top_ids[row][:wanted], results.top_logprobs[row][:wanted])
-                self._logprobs.record(request, token, results.logprobs[row], rank, *top)
-            new_text = self._append_token_text(request, token)
+            accepted = accepted_prefix(drafts, [results.token_ids[r] for r in rows])
+            if drafts:
+                self.spec_stats.record(len(drafts), accepted, self.config.speculative.num_speculative_tokens)
+            new_text, new_tokens = "", []
+            for r in rows[: accepted + 1]:  # the accepted drafts are the tokens sampled at their positions
+                new_tokens.append(results.token_ids[r])
+                new_text += self._append_token(request, results, r)
+                if request.finished:
+                    break
+            request.draft_token_ids = []
             if request.finished:
                 self._detokenizers.pop(request, None)
-            else:  # the block this token completes, if the next step already computed it
+            else:  # the accepted drafts' KV is computed; the block a token completes may be too
+                request.num_computed_tokens += len(new_tokens) - 1
                 self.blocks.cache_full_blocks(request)
                 if self.snapshots is not None:
                     self.snapshots.keep_pending(request)
-            changed.setdefault(self._requests[request.request_id], {})[request.index] = (new_text, (token,))
+            changed.setdefault(self._requests[request.request_id], {})[request.index] = (new_text, tuple(new_tokens))
         outputs = []
         for group, deltas in changed.items():
             if group.finished:
@@ -302,6 +343,17 @@ class Engine:
         self._step += 1
         self._observe_step(step)
         return outputs
+
+    def _append_token(self, request: Request, results, row: int) -> str:
+        """Append sampled row `row`'s token (and its logprobs) to the request; its text to report."""
+        token = results.token_ids[row]
+        request.output_token_ids.append(token)
+        request.cumulative_logprob += results.logprobs[row]  # always: best_of ranks samples by it
+        if (wanted := request.params.logprobs) is not None:
+            rank = results.ranks[row] if results.ranks is not None else None
+            top = (results.top_ids[row][:wanted], results.top_logprobs[row][:wanted])
+            self._logprobs.record(request, token, results.logprobs[row], rank, *top)
+        return self._append_token_text(request, token)
 
     def _append_token_text(self, request: Request, token: int) -> str:
         """Check the stop conditions and detokenize the new token; returns the text to report for it. As

@@ -22,6 +22,7 @@ from deepinfer_core.engine.memory import check_utilization, kv_budget_from_utili
 from deepinfer_core.engine.prompts import ChatRenderer, PromptType, normalize_conversations, normalize_prompts
 from deepinfer_core.engine.request import RequestOutput
 from deepinfer_core.engine.scheduler import SchedulerConfig
+from deepinfer_core.engine.speculative import SpeculativeConfig
 from deepinfer_core.engine.tokenizer import Tokenizer, demo_tokenizer_dir
 from deepinfer_core.errors import DeepInferError
 from deepinfer_core.model import load_model, model_registry
@@ -92,6 +93,9 @@ class LLM:
     window_snapshot_gb: host memory (GiB) for snapshots of DeepSeek-V4/V4.1's windows and per-sequence states
         at block boundaries: a prefix hit at a snapshotted boundary restores them exactly and replays nothing
         (least recently used first out; 0: none, every hit replays). Other models ignore it.
+    speculative_config: vLLM's speculative config, a dict or its JSON ({"method": "ngram",
+        "num_speculative_tokens": 4, ...}; engine/speculative.py): decode steps verify drafted tokens and may
+        yield several, with the same output as without it. None: off.
     progress: progress bars while the model downloads, is built or loads.
     """
 
@@ -120,6 +124,7 @@ class LLM:
         batch_invariant: bool = False,
         graph_batch_size: int = 256,
         engram_placement: str = "auto",
+        speculative_config: dict | str | None = None,
         progress: bool = True,
         backend: ResolvedBackend | None = None,
     ) -> None:
@@ -141,6 +146,7 @@ class LLM:
             graph_batch_size=graph_batch_size,
             scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens),
             seed=seed,
+            speculative=SpeculativeConfig.parse(speculative_config),
         )
         path, from_hub = (
             (None, False)

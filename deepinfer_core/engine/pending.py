@@ -56,10 +56,15 @@ class LaunchedStep:
     def __init__(self, scheduled: ScheduledStep, output: StepOutput) -> None:
         """Made right after the step is issued, before its requests' progress is updated."""
         self.scheduled = scheduled
-        self.num_decode_tokens = sum(  # one token past the prompt: decodes (the rest is prefill)
-            count == 1 and request.num_computed_tokens >= len(request.prompt_token_ids)
+        # one token past the prompt (and its drafts, if it verifies any): decodes; the rest is prefill
+        self.num_decode_tokens = sum(
+            count
             for request, count in scheduled.requests
+            if count == 1 + len(request.draft_token_ids)
+            and request.num_computed_tokens >= len(request.prompt_token_ids)
         )
+        # the drafts a verify step checks, per request (the requests' own lists change with the next plan)
+        self.drafts = {r: list(r.draft_token_ids) for r, _ in scheduled.requests if r.draft_token_ids}
         self.sampled = output.sampled  # the requests that get a token, in the sampler's row order
         self.output = output  # on the device
         tokens = output.tokens

@@ -62,6 +62,7 @@ class Request:
     min_tokens_masked: tuple[int, ...] = ()  # token ids that cannot be sampled before params.min_tokens (EOS, stop ids)
     num_prompt_logprobs: int = 0  # prompt tokens (from the second) whose logprobs a launched step computed
     pending_snapshot: object | None = None  # a snapshots.PendingSnapshot waiting for its block's hash
+    draft_token_ids: list[int] = field(default_factory=list)  # drafted tokens the scheduled step verifies
 
     @property
     def num_tokens(self) -> int:
@@ -87,12 +88,12 @@ class Request:
         """Prompt logprobs asked for and not all computed: the prompt is computed, not read from the prefix cache."""
         return self.params.prompt_logprobs is not None and self.num_prompt_logprobs < len(self.prompt_token_ids) - 1
 
-    @property
-    def masks_stop_tokens(self) -> bool:
-        """The token being sampled next is still within min_tokens: EOS and stop token ids are masked."""
+    def masks_stop_tokens(self, drafts: int = 0) -> bool:
+        """The token sampled next (after `drafts` drafted tokens) is still within min_tokens: EOS and stop
+        token ids are masked."""
         return (
             bool(self.min_tokens_masked)
-            and len(self.output_token_ids) + self.num_pending_tokens < self.params.min_tokens
+            and len(self.output_token_ids) + self.num_pending_tokens + drafts < self.params.min_tokens
         )
 
 

@@ -56,6 +56,16 @@ class StepBatch:
     last_token_index: torch.Tensor  # [S] index in [T] of each sampled request's last token
     sampled: list[Request]  # the requests of sample_rows, in that order
     prompt_spans: tuple[PromptSpan, ...] = ()  # prompt tokens owed logprobs (prompt_logprobs) this step
+    # per sampled row, how many of its request's drafted tokens precede it (a verify step samples a request's
+    # last token and each of its drafts: rows 0..k); () when nothing is drafted
+    draft_offsets: tuple[int, ...] = ()
+
+    def outputs(self, row: int) -> list[int]:
+        """The output tokens sampled row `row` follows (its request's, then the drafts before it)."""
+        request = self.sampled[row]
+        if not self.draft_offsets or not self.draft_offsets[row]:
+            return request.output_token_ids
+        return request.output_token_ids + request.draft_token_ids[: self.draft_offsets[row]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,10 +122,13 @@ class ModelRunner:
         token_ids, positions, slots, starts, seq_lens, tables, sample_rows, last = [], [], [], [0], [], [], [], []
         seq_slots, window_starts, cached_lens, needed_from, prompt_spans = [], [], [], [], []
         fill_at, fill_from = [], []  # index in token_ids <- row of in_flight.token_ids
+        offsets = []  # per sampled row, the drafts before it
         for row, (request, count) in enumerate(scheduled):
             begin, end = request.num_computed_tokens, request.num_computed_tokens + count
-            token_ids += request.all_token_ids[begin:end]
-            if end > request.num_known_tokens:  # its last token is still on the device
+            drafts = request.draft_token_ids  # verified after the request's last token
+            end_known = end - len(drafts)
+            token_ids += request.all_token_ids[begin:end_known] + drafts
+            if end_known > request.num_known_tokens:  # its last token is still on the device
                 if end != request.num_known_tokens + 1 or in_flight is None or request not in in_flight.rows:
                     raise RuntimeError(f"request {request.request_id}: step input not on the host nor in flight")
                 fill_at.append(len(token_ids))
@@ -138,9 +151,11 @@ class ModelRunner:
             window_starts.append(request.window_start)
             cached_lens.append(request.num_cached_tokens)
             needed_from.append(first_needed(request, self.block_size, self.snapshot_boundaries))
-            if end == request.num_tokens:  # the step reaches its last token: sample the next one
-                sample_rows.append(row)
-                last.append(starts[-1] - 1)
+            if end_known == request.num_tokens:  # the step reaches its last token: sample the next one
+                for j in range(len(drafts) + 1):  # and after each draft: the tokens that verify them
+                    sample_rows.append(row)
+                    last.append(starts[-1] - 1 - len(drafts) + j)
+                    offsets.append(j)
         width = max(len(t) for t in tables)
         block_tables = torch.full((len(tables), width), -1, dtype=torch.int64)
         for row, table in enumerate(tables):
@@ -156,16 +171,23 @@ class ModelRunner:
         sampled = [scheduled[row][0] for row in sample_rows]
         last_index = to_device(last, device)
         return StepBatch(
-            tokens, to_device(positions, device), meta, sample_rows, last_index, sampled, tuple(prompt_spans)
+            tokens,
+            to_device(positions, device),
+            meta,
+            sample_rows,
+            last_index,
+            sampled,
+            tuple(prompt_spans),
+            tuple(offsets) if any(offsets) else (),
         )
 
-    def _processed_logits(self, logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
+    def _processed_logits(self, logits: torch.Tensor, batch: StepBatch) -> torch.Tensor:
         if not self.logits_processors:
             return logits
         rows = []
-        for row, request in zip(logits, requests):
+        for i, (row, request) in enumerate(zip(logits, batch.sampled)):
             for processor in self.logits_processors:
-                row = processor(request.prompt_token_ids, request.output_token_ids, row)
+                row = processor(request.prompt_token_ids, batch.outputs(i), row)
             rows.append(row)
         return torch.stack(rows)
 
@@ -178,13 +200,13 @@ class ModelRunner:
         fits = self.graphs is not None and self.graphs.fits(meta.num_seqs, meta.block_tables.shape[1])
         if decode and fits and not batch.prompt_spans:
             logits = self.graphs.run(batch.token_ids, batch.positions, meta)  # [S, V], rows in batch order
-            return self._processed_logits(logits, batch.sampled).float(), []
+            return self._processed_logits(logits, batch).float(), []
         hidden = self.model.forward(batch.token_ids, batch.positions, meta, self.caches)  # [T, D]
         prompt = [self._prompt_logprobs(hidden, span) for span in batch.prompt_spans]
         if not batch.sampled:
             return hidden.new_empty((0, self.model.config.vocab_size), dtype=torch.float32), prompt
         logits = self.model.logits(hidden[batch.last_token_index])  # [S, V]
-        return self._processed_logits(logits, batch.sampled).float(), prompt
+        return self._processed_logits(logits, batch).float(), prompt
 
     def _prompt_logprobs(self, hidden: torch.Tensor, span: PromptSpan) -> PromptLogprobs:
         """Logprobs of a span's prompt tokens and their top `prompt_logprobs` alternatives, from hidden [T, D]."""
@@ -217,7 +239,7 @@ class ModelRunner:
             [r.params for r in sampled],
             [r.seed for r in sampled],
             [r.prompt_token_ids for r in sampled],
-            [r.output_token_ids + [0] * r.num_pending_tokens for r in sampled],  # 0: placeholder, replaced below
+            [batch.outputs(i) + [0] * r.num_pending_tokens for i, r in enumerate(sampled)],  # 0: replaced below
             self.device,
         )
         # (row, column in output_tokens, row in in_flight) of each output token still on the device
@@ -227,7 +249,8 @@ class ModelRunner:
         if pending and sampling.any_penalty:  # the token lists exist only for the penalties
             rows, columns, sources = to_device(pending, self.device).unbind(1)  # [P] each
             sampling.output_tokens[rows, columns] = in_flight.token_ids[sources]
-        masked_rows = [i for i, r in enumerate(sampled) if r.masks_stop_tokens]
+        offsets = batch.draft_offsets or (0,) * len(sampled)
+        masked_rows = [i for i, r in enumerate(sampled) if r.masks_stop_tokens(offsets[i])]
         if not masked_rows:
             output = self.sampler.sample(logits, sampling)
         else:

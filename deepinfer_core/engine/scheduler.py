@@ -7,7 +7,9 @@ recomputed later (largely from the prefix cache). Where window snapshots are kep
 stops once at its last block boundary, so that a later request sharing the prompt finds its windows
 there (engine/snapshots.py). Waiting requests are admitted only while nothing
 had to be preempted this step. With asynchronous scheduling a request's newest token may still be in
-flight (`Request.num_pending_tokens`): it is planned for like any other token.
+flight (`Request.num_pending_tokens`): it is planned for like any other token. With speculative decoding a
+decode also verifies the tokens the proposer drafts for it (`Request.draft_token_ids`), as many as the token
+budget and the request's remaining length allow.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from deepinfer_core.engine.cost import CostModel, largest_chunk
 from deepinfer_core.engine.limits import at_least_one
 from deepinfer_core.engine.request import Request, RequestStatus
 from deepinfer_core.engine.snapshots import snapshot_boundary
+from deepinfer_core.engine.speculative import NgramProposer
 
 __all__ = ["ScheduledStep", "Scheduler", "SchedulerConfig"]
 
@@ -48,8 +51,16 @@ class ScheduledStep:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, blocks: BlockManager, cost_model: CostModel) -> None:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        blocks: BlockManager,
+        cost_model: CostModel,
+        proposer: NgramProposer | None = None,
+        num_speculative_tokens: int = 0,
+    ) -> None:
         self.config, self.blocks, self.cost_model = config, blocks, cost_model
+        self.proposer, self.num_speculative_tokens = proposer, num_speculative_tokens
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
 
@@ -74,7 +85,16 @@ class Scheduler:
         fits = largest_chunk(self.cost_model, computed, remaining, self.config.step_budget_s)
         return min(remaining, budget, fits)
 
+    def _drafts(self, request: Request, budget: int) -> list[int]:
+        """Tokens to verify after a decode's one (none for a prefill chunk or without a proposer)."""
+        decode = request.num_computed_tokens == request.num_tokens - 1 and not request.num_pending_tokens
+        if self.proposer is None or not decode or request.needs_prompt_logprobs:
+            return []
+        room = request.max_num_tokens - request.num_tokens - 1  # the verify step's own token needs one
+        return self.proposer.propose(request.all_token_ids, min(self.num_speculative_tokens, room, budget - 1))
+
     def _preempt(self, request: Request) -> None:
+        request.draft_token_ids = []
         self.blocks.free(request)
         request.status = RequestStatus.WAITING
         request.num_computed_tokens = 0
@@ -92,6 +112,8 @@ class Scheduler:
                 index += 1
                 continue
             count = self._chunk(request, request.num_computed_tokens, budget)
+            request.draft_token_ids = self._drafts(request, budget)
+            count += len(request.draft_token_ids)
             while not self.blocks.grow(request, request.num_computed_tokens + count):
                 victim = self.running.pop()  # the latest arrival
                 self._preempt(victim)

@@ -1,0 +1,156 @@
+"""Speculative decoding: what to draft, and which drafted tokens a verify step accepts.
+
+A verify step feeds a sequence's last token and its k drafted tokens at once and samples a token at each of
+the k + 1 positions, every one with the noise of its own (seed, output index), exactly as a decode step at
+that position would. Coupled acceptance keeps drafted token i while it equals the token sampled at its
+position; the first that differs is replaced by the sampled one (and the rest are dropped), and when all k
+hold, the token sampled after the last comes free. So the output is the non-speculative output token for
+token, for greedy and seeded sampling alike, whatever the draft: the draft only decides how many tokens a
+step yields.
+
+Drafts come from a proposer. `ngram` (vLLM's prompt lookup) needs no model: it finds the longest recent
+n-gram of the sequence that occurred earlier and proposes the tokens that followed it.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, fields
+
+import torch
+
+from deepinfer_core.errors import DeepInferError
+
+__all__ = ["NgramProposer", "SpeculativeConfig", "SpeculativeError", "SpeculativeStats", "accepted_prefix"]
+
+METHODS = ("ngram", "mtp", "dspark")
+IMPLEMENTED_METHODS = ("ngram",)
+VERIFY_MODES = ("fixed", "adaptive")
+ACCEPTANCE_MODES = ("coupled", "rejection")
+
+
+class SpeculativeError(DeepInferError):
+    """A speculative config that cannot run as asked."""
+
+
+@dataclass(frozen=True, slots=True)
+class SpeculativeConfig:
+    """vLLM's --speculative-config fields (method, num_speculative_tokens, prompt_lookup_max / _min) and ours:
+    verify ("fixed": every step verifies num_speculative_tokens drafts, as far as the request may grow) and
+    acceptance ("coupled": a draft token stays iff it equals the token sampled at its position)."""
+
+    method: str
+    num_speculative_tokens: int
+    prompt_lookup_max: int = 4
+    prompt_lookup_min: int = 1
+    verify: str = "fixed"
+    acceptance: str = "coupled"
+
+    def __post_init__(self) -> None:
+        choices = {"method": METHODS, "verify": VERIFY_MODES, "acceptance": ACCEPTANCE_MODES}
+        for name, allowed in choices.items():
+            if getattr(self, name) not in allowed:
+                raise SpeculativeError(
+                    f"speculative config: {name} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}"
+                )
+        for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise SpeculativeError(f"speculative config: {name} must be an integer of 1 or more, got {value!r}")
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise SpeculativeError(
+                f"speculative config: prompt_lookup_min ({self.prompt_lookup_min}) is above prompt_lookup_max "
+                f"({self.prompt_lookup_max})"
+            )
+        not_yet = []
+        if self.method not in IMPLEMENTED_METHODS:
+            not_yet.append(f"method {self.method!r} (implemented: {', '.join(IMPLEMENTED_METHODS)})")
+        if self.verify != "fixed":
+            not_yet.append("verify 'adaptive' (implemented: 'fixed')")
+        if self.acceptance != "coupled":
+            not_yet.append("acceptance 'rejection' (implemented: 'coupled')")
+        if not_yet:
+            raise SpeculativeError(f"speculative decoding does not implement {' nor '.join(not_yet)} yet")
+
+    @classmethod
+    def parse(cls, value: str | Mapping | SpeculativeConfig | None) -> SpeculativeConfig | None:
+        """From a JSON object (--speculative-config), a mapping (LLM(speculative_config=...)) or None."""
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as err:
+                raise SpeculativeError(
+                    f"--speculative-config is not valid JSON ({err.msg} at character {err.pos}); "
+                    'for example: \'{"method": "ngram", "num_speculative_tokens": 4}\''
+                ) from None
+        if not isinstance(value, Mapping):
+            raise SpeculativeError(f"the speculative config must be a JSON object, got {type(value).__name__}")
+        known = [f.name for f in fields(cls)]
+        unknown = sorted(set(value) - set(known))
+        if unknown:
+            raise SpeculativeError(
+                f"speculative config: unknown field(s) {', '.join(map(repr, unknown))}; known: {', '.join(known)}"
+            )
+        missing = [name for name in ("method", "num_speculative_tokens") if name not in value]
+        if missing:
+            raise SpeculativeError(f"speculative config: {' and '.join(missing)} must be given")
+        return cls(**value)
+
+    def proposer(self) -> NgramProposer:
+        return NgramProposer(self.prompt_lookup_min, self.prompt_lookup_max)
+
+
+class NgramProposer:
+    """Prompt lookup: for n from `max_n` down to `min_n`, the last n tokens of the sequence; at their latest
+    earlier occurrence, the tokens that followed it are the draft (at most k, fewer where the sequence ends)."""
+
+    def __init__(self, min_n: int, max_n: int) -> None:
+        self.min_n, self.max_n = min_n, max_n
+
+    def propose(self, tokens: Sequence[int], k: int) -> list[int]:
+        if k <= 0 or len(tokens) < self.min_n + 1:
+            return []
+        seq = torch.tensor(tokens, dtype=torch.int64)
+        for n in range(min(self.max_n, len(tokens) - 1), self.min_n - 1, -1):
+            windows = seq[:-1].unfold(0, n, 1)  # every n-gram that ends before the last token: [L - n, n]
+            hits = (windows == seq[-n:]).all(dim=1).nonzero()
+            if hits.numel():
+                start = int(hits[-1]) + n  # the token after the latest earlier occurrence
+                return seq[start : start + k].tolist()
+        return []
+
+
+def accepted_prefix(drafts: Sequence[int], targets: Sequence[int]) -> int:
+    """How many leading drafts equal the tokens sampled at their positions (targets[i] for drafts[i])."""
+    n = 0
+    while n < len(drafts) and drafts[n] == targets[n]:
+        n += 1
+    return n
+
+
+@dataclass(slots=True)
+class SpeculativeStats:
+    """Counters since the engine started (vLLM's spec_decode metrics): verify steps' drafts, drafted tokens,
+    accepted ones, and accepted ones by draft position."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_position: list[int] | None = None
+
+    def record(self, drafted: int, accepted: int, positions: int) -> None:
+        if self.accepted_per_position is None:
+            self.accepted_per_position = [0] * positions
+        self.num_drafts += 1
+        self.num_draft_tokens += drafted
+        self.num_accepted_tokens += accepted
+        for i in range(accepted):
+            self.accepted_per_position[i] += 1
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens a verify step yields on average: its accepted drafts plus the one it samples itself."""
+        return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0

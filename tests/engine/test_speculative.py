@@ -1,0 +1,147 @@
+"""Speculative decoding (ngram drafts, coupled acceptance): the output is the non-speculative output token for
+token, greedy and seeded, with chunked prefill, preemption, prefix hits, min_tokens, stop tokens and max_tokens
+ending inside an accepted run; and drafts really are verified and accepted (the check can fail)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from deepinfer_core.engine.llm import LLM
+from deepinfer_core.engine.speculative import NgramProposer, SpeculativeConfig, SpeculativeError, accepted_prefix
+from deepinfer_core.sampling.params import SamplingParams
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny tensors: see tests/conftest.py
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
+LOOP = [5, 6, 7, 8, 9] * 6  # a prompt that repeats: prompt lookup drafts from it
+
+
+def _llm(checkpoint, accelerator: str, speculative=None, **kwargs) -> LLM:
+    return LLM(model=checkpoint, accelerator=accelerator, block_size=16, progress=False,
+               speculative_config=speculative, **kwargs)  # fmt: skip
+
+
+def _workload(stop_token: int | None = None):
+    greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    seeded = SamplingParams(temperature=0.8, top_k=20, seed=7, max_tokens=21, ignore_eos=True, logprobs=2)
+    prompts = [LOOP, LOOP, [3, 4] * 20 + [11], list(range(20, 60)), LOOP[:17]]
+    params = [greedy, seeded, greedy, seeded, SamplingParams(temperature=0, max_tokens=13, ignore_eos=True)]
+    if stop_token is not None:  # a stop token that the run really samples, with min_tokens before it counts
+        prompts.append(LOOP)
+        params.append(SamplingParams(temperature=0, max_tokens=30, stop_token_ids=[stop_token], min_tokens=2))
+    return prompts, params
+
+
+def _tokens(outputs) -> list[tuple[int, ...]]:
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+@pytest.mark.parametrize("accelerator", ["cpu", "rowwise_cpu"])
+def test_speculative_output_is_the_plain_output(tiny_checkpoint, accelerator):
+    plain = _llm(tiny_checkpoint, accelerator)
+    prompts, params = _workload()
+    want = plain.generate(prompts, params, use_tqdm=False)
+    greedy = want[0].outputs[0].token_ids  # the LOOP prompt's: a token first sampled after min_tokens stops it
+    stop_token = next(t for i, t in enumerate(greedy) if i >= 3 and t not in greedy[:i])
+    prompts, params = _workload(stop_token)
+    want = plain.generate(prompts, params, use_tqdm=False)
+    spec = _llm(tiny_checkpoint, accelerator, NGRAM)
+    got = spec.generate(prompts, params, use_tqdm=False)
+    assert _tokens(got) == _tokens(want)
+    assert got[-1].outputs[0].finish_reason == "stop" and got[-1].outputs[0].token_ids[-1] == stop_token
+    assert [o.outputs[0].finish_reason for o in got] == [o.outputs[0].finish_reason for o in want]
+    for g, w in zip(got[1].outputs[0].logprobs, want[1].outputs[0].logprobs):  # the seeded request's logprobs
+        assert g.keys() == w.keys()
+        if accelerator == "rowwise_cpu":  # row-invariant: a position's logits are its own whatever the step
+            assert all(g[t].logprob == w[t].logprob for t in g)
+    stats = spec.engine.spec_stats
+    assert stats.num_drafts > 0 and stats.num_accepted_tokens > 0, "nothing was drafted or accepted"
+    assert stats.num_accepted_tokens <= stats.num_draft_tokens
+    assert stats.mean_accepted_length > 1
+
+
+def test_chunked_prefill_and_prefix_hits_keep_the_output(tiny_checkpoint):
+    small = {"max_num_batched_tokens": 8, "max_num_seqs": 4}  # prompts of 17-41 tokens: chunked
+    prompts, params = _workload()
+    prompts, params = prompts * 2, params * 2  # the repeats hit the prefix cache
+    want = _llm(tiny_checkpoint, "rowwise_cpu", **small).generate(prompts, params, use_tqdm=False)
+    spec = _llm(tiny_checkpoint, "rowwise_cpu", NGRAM, **small)
+    got = spec.generate(prompts, params, use_tqdm=False)
+    assert _tokens(got) == _tokens(want)
+    assert spec.engine.blocks.prefix_hits > 0
+    assert spec.engine.spec_stats.num_accepted_tokens > 0
+
+
+def test_preemption_happens_with_drafts_and_the_output_holds(tiny_checkpoint):
+    """Few KV blocks: verify steps grow requests by their drafts and the latest arrival is preempted."""
+    small = {"num_kv_blocks": 7, "max_num_seqs": 3}
+    prompts, params = [LOOP] * 3, [SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)] * 3
+    want = _llm(tiny_checkpoint, "rowwise_cpu", **small).generate(prompts, params, use_tqdm=False)
+    spec = _llm(tiny_checkpoint, "rowwise_cpu", NGRAM, **small)
+    preempted = []
+    original = spec.engine.scheduler._preempt
+    spec.engine.scheduler._preempt = lambda request: (preempted.append(request), original(request))
+    got = spec.generate(prompts, params, use_tqdm=False)
+    assert preempted, "no preemption: the test does not exercise it"
+    assert _tokens(got) == _tokens(want)
+
+
+def test_max_tokens_ends_inside_an_accepted_run(tiny_checkpoint):
+    spec = _llm(tiny_checkpoint, "rowwise_cpu", NGRAM)
+    plain = _llm(tiny_checkpoint, "rowwise_cpu")
+    for max_tokens in range(1, 9):
+        params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+        [got], [want] = spec.generate([LOOP], params, use_tqdm=False), plain.generate([LOOP], params, use_tqdm=False)
+        assert got.outputs[0].token_ids == want.outputs[0].token_ids
+        assert len(got.outputs[0].token_ids) == max_tokens and got.outputs[0].finish_reason == "length"
+
+
+# ---- pieces ------------------------------------------------------------------------------------------
+
+
+def test_ngram_proposes_what_followed_the_latest_earlier_match():
+    proposer = NgramProposer(1, 3)
+    assert proposer.propose([1, 2, 3, 9, 1, 2, 3, 4, 1, 2, 3], 2) == [4, 1]  # the 3-gram's latest earlier match
+    assert proposer.propose([1, 2, 3, 9, 1, 2, 3], 5) == [9, 1, 2, 3]  # as many as follow it
+    assert proposer.propose([4, 5, 6, 5], 2) == [6, 5]  # only a 1-gram matches
+    assert proposer.propose([4, 5, 6, 7], 2) == []  # nothing repeats
+    assert proposer.propose([1, 1], 0) == []
+    assert NgramProposer(2, 3).propose([4, 5, 6, 5], 2) == []  # a 1-gram is below min
+
+
+def test_accepted_prefix():
+    assert accepted_prefix([3, 4, 5], [3, 4, 5, 6]) == 3
+    assert accepted_prefix([3, 4, 5], [3, 9, 5, 6]) == 1
+    assert accepted_prefix([3], [2, 7]) == 0
+    assert accepted_prefix([], [2]) == 0
+
+
+@pytest.mark.parametrize(
+    "value, message",
+    [
+        ("{not json", "not valid JSON"),
+        ("[1]", "must be a JSON object"),
+        ({"method": "ngram"}, "num_speculative_tokens must be given"),
+        ({"method": "eagle", "num_speculative_tokens": 2}, "method must be one of ngram, mtp, dspark"),
+        ({"method": "ngram", "num_speculative_tokens": 0}, "integer of 1 or more"),
+        ({"method": "ngram", "num_speculative_tokens": 2, "draft_model": "x"}, "unknown field(s) 'draft_model'"),
+        ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 5}, "is above prompt_lookup_max"),
+        ({"method": "mtp", "num_speculative_tokens": 2}, "does not implement method 'mtp'"),
+        ({"method": "ngram", "num_speculative_tokens": 2, "acceptance": "rejection"}, "acceptance 'rejection'"),
+    ],
+)
+def test_bad_configs_say_what_is_wrong(value, message):
+    with pytest.raises(SpeculativeError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        SpeculativeConfig.parse(value)
+
+
+def test_a_json_config_parses():
+    config = SpeculativeConfig.parse(json.dumps(NGRAM))
+    assert (config.method, config.num_speculative_tokens, config.prompt_lookup_max) == ("ngram", 3, 3)
+
+
+def test_a_model_with_per_sequence_caches_is_refused():
+    with pytest.raises(SpeculativeError, match="sliding_window.*rolled back"):
+        LLM(accelerator="cpu", progress=False, speculative_config=NGRAM)  # the demo model is a DeepSeek-V4
