@@ -64,6 +64,8 @@ class ServerMetrics:
         self._snapshot_hits_seen = 0
         self.model_name: str | None = None
         self._prefix_seen = (0, 0)  # the engine's cumulative prefix-cache (queries, hits) at the last scrape
+        self._spec = None  # vLLM's spec_decode counters, made at the first scrape of a speculating engine
+        self._spec_seen = (0, 0, 0, [])  # the engine's SpeculativeStats at the last scrape
         if model_name is not None and max_model_len is not None:
             self.bind(model_name, max_model_len)
 
@@ -189,3 +191,34 @@ class ServerMetrics:
         self.prefix_queries.inc(max(0, blocks.prefix_queries - seen_queries))
         self.prefix_hits.inc(max(0, blocks.prefix_hits - seen_hits))
         self._prefix_seen = (blocks.prefix_queries, blocks.prefix_hits)
+        if (stats := getattr(engine, "spec_stats", None)) is not None:
+            self._observe_speculation(stats)
+
+    def _observe_speculation(self, stats) -> None:
+        """vLLM's spec_decode counters from the engine's SpeculativeStats (engine/speculative.py)."""
+        labels = (self.model_name, "0")
+        if self._spec is None:
+
+            def counter(name: str, doc: str):
+                return Counter(name, doc, _LABELS, registry=self.registry).labels(*labels)
+
+            self._spec = (
+                counter("vllm:spec_decode_num_drafts", "Number of spec decoding drafts."),
+                counter("vllm:spec_decode_num_draft_tokens", "Number of draft tokens."),
+                counter("vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens."),
+                Counter(
+                    "vllm:spec_decode_num_accepted_tokens_per_pos",
+                    "Accepted draft tokens per draft position.",
+                    [*_LABELS, "position"],
+                    registry=self.registry,
+                ),
+            )
+        *totals, per_position = self._spec
+        now = (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens)
+        for counter_, value, before in zip(totals, now, self._spec_seen[:3]):
+            counter_.inc(max(0, value - before))
+        seen_positions, positions = self._spec_seen[3], list(stats.accepted_per_position or [])
+        for position, value in enumerate(positions):
+            before = seen_positions[position] if position < len(seen_positions) else 0
+            per_position.labels(*labels, str(position)).inc(max(0, value - before))
+        self._spec_seen = (*now, positions)

@@ -145,3 +145,30 @@ def test_a_json_config_parses():
 def test_a_model_with_per_sequence_caches_is_refused():
     with pytest.raises(SpeculativeError, match="sliding_window.*rolled back"):
         LLM(accelerator="cpu", progress=False, speculative_config=NGRAM)  # the demo model is a DeepSeek-V4
+
+
+def test_vllm_spec_decode_metrics_follow_the_engine(tiny_checkpoint):
+    from prometheus_client import generate_latest
+
+    from deepinfer_core.serve.metrics import ServerMetrics
+
+    spec = _llm(tiny_checkpoint, "rowwise_cpu", NGRAM)
+    metrics = ServerMetrics("tiny", 256)
+
+    def samples() -> dict[str, float]:
+        metrics.observe_engine(spec.engine)
+        text = generate_latest(metrics.registry).decode()
+        return {k: float(v) for k, v in (line.rsplit(" ", 1) for line in text.splitlines() if line[:1] != "#")}
+
+    labels = 'engine="0",model_name="tiny"'
+    for _ in range(2):  # counters add what the engine did since the last scrape, not all of it again
+        spec.generate([LOOP], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True), use_tqdm=False)
+        got, stats = samples(), spec.engine.spec_stats
+        assert got[f"vllm:spec_decode_num_drafts_total{{{labels}}}"] == stats.num_drafts > 0
+        assert got[f"vllm:spec_decode_num_draft_tokens_total{{{labels}}}"] == stats.num_draft_tokens
+        assert got[f"vllm:spec_decode_num_accepted_tokens_total{{{labels}}}"] == stats.num_accepted_tokens > 0
+        per_position = [got.get(f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{{labels},position="{p}"}}', 0)
+                        for p in range(3)]  # fmt: skip
+        assert per_position == stats.accepted_per_position
+        assert sum(per_position) == stats.num_accepted_tokens
+        assert per_position[0] >= per_position[1] >= per_position[2]  # a draft is accepted after those before it
