@@ -100,13 +100,24 @@ class Engine:
         config: EngineConfig = EngineConfig(),
         logits_processors: Sequence[LogitsProcessor] = (),
         observers: Sequence[Observer] = (),
+        drafter=None,
     ) -> None:
+        """drafter: the draft model of `config.speculative` when its method has one (mtp: model/mtp.py)."""
         self.model, self.backend, self.tokenizer, self.config = model, backend, tokenizer, config
+        spec = config.speculative
+        if spec is not None:
+            _check_speculative(model)
+            if (spec.method == "ngram") != (drafter is None):
+                raise SpeculativeError(
+                    f"speculative method {spec.method!r} "
+                    + ("needs the checkpoint's draft layers, which were not loaded" if drafter is None else
+                       "takes no draft model")
+                )  # fmt: skip
         self._logprobs = LogprobRecorder(tokenizer)
         self.max_model_len = context_length(config.max_model_len, model.config.max_position_embeddings)
         block_size = backend.kv_layout.block_size
         num_blocks = config.num_kv_blocks or blocks_for_memory(
-            model.cache_specs,
+            model.cache_specs + (drafter.cache_specs if drafter is not None else []),
             backend.kv_layout,
             config.kv_cache_memory_bytes,
             num_seqs=config.scheduler.max_num_seqs,
@@ -120,6 +131,8 @@ class Engine:
             graph_batch_size=min(config.graph_batch_size, config.scheduler.max_num_seqs),
             max_model_len=self.max_model_len,
             num_seq_slots=config.scheduler.max_num_seqs,
+            drafter=drafter,
+            num_draft_tokens=spec.num_speculative_tokens if spec else 0,
         )
         snapshots = WindowSnapshots(
             backend.kv_layout,
@@ -140,15 +153,13 @@ class Engine:
         self.snapshots = self.blocks.snapshots  # None: the model has no per-sequence caches, or no budget
         snapshots.log_start(self.blocks.replay_tokens if config.enable_prefix_caching else None)
         self.runner.snapshot_boundaries = self.snapshots is not None
-        spec = config.speculative
-        if spec is not None:
-            _check_speculative(model)
         self.scheduler = Scheduler(
             config.scheduler,
             self.blocks,
             backend.cost_model,
             proposer=spec.proposer() if spec else None,
             num_speculative_tokens=spec.num_speculative_tokens if spec else 0,
+            lookahead=spec.lookahead if spec else 0,
         )
         self.spec_stats = SpeculativeStats() if spec else None
         self.observers = list(observers)
@@ -306,6 +317,9 @@ class Engine:
             if group is not None and not chunk.request.finished and group.prompt_logprobs is not None:
                 self._logprobs.record_prompt(group, chunk)
         changed: dict[RequestGroup, dict[int, Delta]] = {}
+        if results.drafts is not None:  # a draft model's drafts for each sampled request's next step
+            for request, drafts in zip(dict.fromkeys(step.sampled), results.drafts):
+                request.next_draft_token_ids = drafts
         row = 0
         while row < len(step.sampled):
             request = step.sampled[row]

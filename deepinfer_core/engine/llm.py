@@ -25,7 +25,7 @@ from deepinfer_core.engine.scheduler import SchedulerConfig
 from deepinfer_core.engine.speculative import SpeculativeConfig
 from deepinfer_core.engine.tokenizer import Tokenizer, demo_tokenizer_dir
 from deepinfer_core.errors import DeepInferError
-from deepinfer_core.model import load_model, model_registry
+from deepinfer_core.model import load_drafter, load_model, model_registry
 from deepinfer_core.model.deepseek_v4 import UnsupportedModelError
 from deepinfer_core.model.demo import DEMO_CONFIG, DEMO_NAME, demo_model
 from deepinfer_core.model.loader import read_config
@@ -185,7 +185,9 @@ class LLM:
         observers = [o for found in hook.deepinfer_observers() for o in found]
         budget = self._kv_budget(num_kv_blocks, kv_cache_memory_bytes, gpu_memory_utilization)
         config = dataclasses.replace(config, kv_cache_memory_bytes=budget)
-        self.engine = Engine(self.model, self.backend, self.tokenizer, config, processors, observers)
+        spec = config.speculative
+        drafter = load_drafter(spec.method, path, self.model, self.backend, progress) if spec else None
+        self.engine = Engine(self.model, self.backend, self.tokenizer, config, processors, observers, drafter)
         self._chat: ChatRenderer | None = None
         self._next_id = 0
 

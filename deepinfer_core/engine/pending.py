@@ -47,6 +47,7 @@ class HostResults:
     top_logprobs: list[list[float]]
     ranks: list[int] | None  # the token's rank; None when no row asked for logprobs
     prompt_logprobs: list[HostPromptLogprobs]
+    drafts: list[list[int]] | None = None  # a draft model's drafts for the next step, per sampled request
 
 
 class LaunchedStep:
@@ -74,6 +75,8 @@ class LaunchedStep:
         for chunk in output.prompt_logprobs:
             lp = chunk.logprobs
             tensors += [lp.logprobs, lp.ranks, lp.top_ids, lp.top_logprobs]
+        if output.drafts is not None:
+            tensors.append(output.drafts)
         self._host = HostCopy(tensors)
 
     def tokens(self) -> InFlightTokens | None:
@@ -92,4 +95,5 @@ class LaunchedStep:
             HostPromptLogprobs(chunk.request, chunk.first, *values[4 * i : 4 * i + 4])
             for i, chunk in enumerate(self.output.prompt_logprobs)
         ]
-        return HostResults(*tokens, ranks, prompt)
+        drafts = values[4 * len(prompt)] if self.output.drafts is not None else None
+        return HostResults(*tokens, ranks, prompt, drafts)

@@ -63,6 +63,7 @@ class Request:
     num_prompt_logprobs: int = 0  # prompt tokens (from the second) whose logprobs a launched step computed
     pending_snapshot: object | None = None  # a snapshots.PendingSnapshot waiting for its block's hash
     draft_token_ids: list[int] = field(default_factory=list)  # drafted tokens the scheduled step verifies
+    next_draft_token_ids: list[int] = field(default_factory=list)  # a draft model's, for the next step
 
     @property
     def num_tokens(self) -> int:

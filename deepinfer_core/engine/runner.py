@@ -48,6 +48,19 @@ class PromptLogprobs:
 
 
 @dataclass(frozen=True, slots=True)
+class DraftingInputs:
+    """The host-built part of a draft model's inputs for one step, on the device."""
+
+    next_ids: torch.Tensor  # [T] the token after each position (0 where the step samples it)
+    expected: torch.Tensor  # [rows] the draft each sampled row checks (-1: none, the request's last row)
+    first_row: torch.Tensor  # [R] each sampled request's first sampled row
+    seq_index: torch.Tensor  # [R] its sequence in the step
+    num_drafts: torch.Tensor  # [R] the drafts it verifies
+    position_limit: torch.Tensor  # [R] the last position its blocks and the model's positions hold
+    max_drafts: int
+
+
+@dataclass(frozen=True, slots=True)
 class StepBatch:
     token_ids: torch.Tensor  # [T]
     positions: torch.Tensor  # [T]
@@ -59,6 +72,7 @@ class StepBatch:
     # per sampled row, how many of its request's drafted tokens precede it (a verify step samples a request's
     # last token and each of its drafts: rows 0..k); () when nothing is drafted
     draft_offsets: tuple[int, ...] = ()
+    drafting: DraftingInputs | None = None  # what a draft model reads of the step (a drafter is loaded)
 
     def outputs(self, row: int) -> list[int]:
         """The output tokens sampled row `row` follows (its request's, then the drafts before it)."""
@@ -76,6 +90,7 @@ class StepOutput:
     tokens: SampleOutput | None
     ranks: torch.Tensor | None  # [S] rank of each sampled token; None when no row asked for logprobs
     prompt_logprobs: list[PromptLogprobs]
+    drafts: torch.Tensor | None = None  # [R, k] a draft model's drafts for the next step, per sampled request
 
 
 class ModelRunner:
@@ -89,18 +104,26 @@ class ModelRunner:
         graph_batch_size: int = 0,
         max_model_len: int = 0,
         num_seq_slots: int = 64,
+        drafter=None,
+        num_draft_tokens: int = 0,
     ) -> None:
         """graph_batch_size > 0 replays decode steps of up to that many sequences from device graphs,
         where the backend can capture them; the caches then get one scratch block (and sequence slot) for
         padding rows.
-        Per-sequence caches get `num_seq_slots` slots (the scheduler's max_num_seqs)."""
+        Per-sequence caches get `num_seq_slots` slots (the scheduler's max_num_seqs).
+        drafter: a draft model (model/mtp.py) run after every step to draft `num_draft_tokens` tokens per
+        sampled request; its caches follow the model's. Steps then run eagerly."""
         self.model, self.backend, self.sampler = model, backend, backend.sampler
         self.device = backend.torch_device
         self.block_size = backend.kv_layout.block_size
+        self.drafter, self.num_draft_tokens = drafter, num_draft_tokens
         use_graphs = backend.graphs is not None and graph_batch_size > 0 and getattr(model, "graph_capture", False)
+        use_graphs = use_graphs and drafter is None
         # graphs: block `num_blocks` and sequence slot `num_seq_slots` are the padding rows' scratch
         units, seq_units = (num_blocks + 1, num_seq_slots + 1) if use_graphs else (num_blocks, num_seq_slots)
-        self.caches = allocate_caches(backend.kv_layout, model.cache_specs, units, seq_units)
+        specs = model.cache_specs + (drafter.cache_specs if drafter is not None else [])
+        self.caches = allocate_caches(backend.kv_layout, specs, units, seq_units)
+        self.max_position = getattr(model.config, "max_position_embeddings", 1 << 62) - 1
         self.logits_processors = list(logits_processors)
         self.snapshot_boundaries = False  # the engine keeps window snapshots: see snapshots.first_needed
         self.graphs = None
@@ -170,6 +193,7 @@ class ModelRunner:
         meta = AttentionMetadata(*on_device, max_query_len=max(b - a for a, b in zip(starts, starts[1:])))
         sampled = [scheduled[row][0] for row in sample_rows]
         last_index = to_device(last, device)
+        drafting = self._drafting_inputs(scheduled, sample_rows, offsets) if self.drafter is not None else None
         return StepBatch(
             tokens,
             to_device(positions, device),
@@ -179,6 +203,31 @@ class ModelRunner:
             sampled,
             tuple(prompt_spans),
             tuple(offsets) if any(offsets) else (),
+            drafting,
+        )
+
+    def _drafting_inputs(
+        self, scheduled: Sequence[tuple[Request, int]], sample_rows: list[int], offsets: list[int]
+    ) -> DraftingInputs:
+        next_ids, expected, first_row, seq_index, num_drafts, limits = [], [], [], [], [], []
+        for request, count in scheduled:
+            begin = request.num_computed_tokens
+            seq = request.all_token_ids + request.draft_token_ids
+            after = seq[begin + 1 : begin + count + 1]
+            next_ids += after + [0] * (count - len(after))  # 0: the token the step samples there
+        for i, (row, offset) in enumerate(zip(sample_rows, offsets)):
+            request = scheduled[row][0]
+            drafts = request.draft_token_ids
+            expected.append(drafts[offset] if offset < len(drafts) else -1)
+            if offset == 0:
+                first_row.append(i)
+                seq_index.append(row)
+                num_drafts.append(len(drafts))
+                limits.append(min(len(request.block_ids) * self.block_size - 1, self.max_position))
+        device = self.device
+        return DraftingInputs(
+            *(to_device(v, device) for v in (next_ids, expected, first_row, seq_index, num_drafts, limits)),
+            max_drafts=max(num_drafts, default=0),
         )
 
     def _processed_logits(self, logits: torch.Tensor, batch: StepBatch) -> torch.Tensor:
@@ -195,18 +244,22 @@ class ModelRunner:
     def run_model(self, batch: StepBatch) -> tuple[torch.Tensor, list[PromptLogprobs]]:
         """Logits [S, V] float32 of the batch's sampled rows, after the logits processors, and the
         logprobs of its prompt spans (from the model's logits). The only place the model runs."""
+        return self._run_model(batch)[:2]
+
+    def _run_model(self, batch: StepBatch) -> tuple[torch.Tensor, list[PromptLogprobs], torch.Tensor | None]:
+        """run_model's results and the final hidden states [T, D] (None when a device graph ran the step)."""
         meta = batch.meta
         decode = meta.slot_mapping.shape[0] == meta.num_seqs == len(batch.sampled)  # one new token per sequence
         fits = self.graphs is not None and self.graphs.fits(meta.num_seqs, meta.block_tables.shape[1])
         if decode and fits and not batch.prompt_spans:
             logits = self.graphs.run(batch.token_ids, batch.positions, meta)  # [S, V], rows in batch order
-            return self._processed_logits(logits, batch).float(), []
+            return self._processed_logits(logits, batch).float(), [], None
         hidden = self.model.forward(batch.token_ids, batch.positions, meta, self.caches)  # [T, D]
         prompt = [self._prompt_logprobs(hidden, span) for span in batch.prompt_spans]
         if not batch.sampled:
-            return hidden.new_empty((0, self.model.config.vocab_size), dtype=torch.float32), prompt
+            return hidden.new_empty((0, self.model.config.vocab_size), dtype=torch.float32), prompt, hidden
         logits = self.model.logits(hidden[batch.last_token_index])  # [S, V]
-        return self._processed_logits(logits, batch).float(), prompt
+        return self._processed_logits(logits, batch).float(), prompt, hidden
 
     def _prompt_logprobs(self, hidden: torch.Tensor, span: PromptSpan) -> PromptLogprobs:
         """Logprobs of a span's prompt tokens and their top `prompt_logprobs` alternatives, from hidden [T, D]."""
@@ -262,8 +315,39 @@ class ModelRunner:
     def execute(self, scheduled: Sequence[tuple[Request, int]], in_flight: InFlightTokens | None = None) -> StepOutput:
         """Run the step: its tokens and logprobs stay on the device."""
         batch = self.prepare(scheduled, in_flight)
-        logits, prompt_logprobs = self.run_model(batch)  # [S, V]
+        if self.drafter is None:
+            logits, prompt_logprobs = self.run_model(batch)  # [S, V]
+        else:
+            logits, prompt_logprobs, hidden = self._run_model(batch)
         if not batch.sampled:
+            if self.drafter is not None:  # prefill chunks: the drafter's cache follows the model's
+                self._draft(batch, hidden, None)
             return StepOutput([], None, None, prompt_logprobs)
         tokens, ranks = self.sample(batch, logits, in_flight)
-        return StepOutput(batch.sampled, tokens, ranks, prompt_logprobs)
+        drafts = self._draft(batch, hidden, tokens.token_ids) if self.drafter is not None else None
+        return StepOutput(batch.sampled, tokens, ranks, prompt_logprobs, drafts)
+
+    @torch.inference_mode()
+    def _draft(self, batch: StepBatch, hidden: torch.Tensor, sampled: torch.Tensor | None) -> torch.Tensor | None:
+        """Run the drafter over the step (its cache catches up) and draft from each sampled request's last
+        accepted position -> [R, k], or None when nothing was sampled."""
+        from deepinfer_core.model.mtp import DraftInputs  # a model module: the runner needs it only here
+
+        d = batch.drafting
+        next_ids = d.next_ids.clone()
+        cache = self.caches[len(self.model.cache_specs)]["kv"]
+        if sampled is None:  # nothing sampled: catch up only
+            self.drafter.forward(next_ids, batch.positions, hidden, batch.meta, cache)
+            return None
+        next_ids[batch.last_token_index] = sampled  # a verify row's next token is the token it sampled
+        # accepted drafts per request, on the device: leading rows whose sampled token is their draft
+        width = d.max_drafts
+        steps = torch.arange(width, device=sampled.device)
+        rows = (d.first_row[:, None] + steps).clamp(max=sampled.shape[0] - 1)  # [R, width]
+        matches = (sampled[rows] == d.expected[rows]) & (steps < d.num_drafts[:, None])
+        accepted = matches.to(torch.int64).cumprod(dim=1).sum(dim=1) if width else torch.zeros_like(d.first_row)
+        inputs = DraftInputs(
+            next_ids, batch.positions, hidden, batch.meta, batch.last_token_index, d.first_row, d.seq_index,
+            accepted, d.position_limit, self.block_size,
+        )  # fmt: skip
+        return self.drafter.draft(inputs, cache, self.num_draft_tokens)

@@ -23,7 +23,7 @@ from deepinfer_core.engine.cost import CostModel, largest_chunk
 from deepinfer_core.engine.limits import at_least_one
 from deepinfer_core.engine.request import Request, RequestStatus
 from deepinfer_core.engine.snapshots import snapshot_boundary
-from deepinfer_core.engine.speculative import NgramProposer
+from deepinfer_core.engine.speculative import DrafterProposer, NgramProposer
 
 __all__ = ["ScheduledStep", "Scheduler", "SchedulerConfig"]
 
@@ -56,11 +56,13 @@ class Scheduler:
         config: SchedulerConfig,
         blocks: BlockManager,
         cost_model: CostModel,
-        proposer: NgramProposer | None = None,
+        proposer: NgramProposer | DrafterProposer | None = None,
         num_speculative_tokens: int = 0,
+        lookahead: int = 0,
     ) -> None:
+        """lookahead: KV slots a decode needs past its own and its drafts' (a draft model drafting further)."""
         self.config, self.blocks, self.cost_model = config, blocks, cost_model
-        self.proposer, self.num_speculative_tokens = proposer, num_speculative_tokens
+        self.proposer, self.num_speculative_tokens, self.lookahead = proposer, num_speculative_tokens, lookahead
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
 
@@ -91,10 +93,10 @@ class Scheduler:
         if self.proposer is None or not decode or request.needs_prompt_logprobs:
             return []
         room = request.max_num_tokens - request.num_tokens - 1  # the verify step's own token needs one
-        return self.proposer.propose(request.all_token_ids, min(self.num_speculative_tokens, room, budget - 1))
+        return self.proposer.propose_for(request, min(self.num_speculative_tokens, room, budget - 1))
 
     def _preempt(self, request: Request) -> None:
-        request.draft_token_ids = []
+        request.draft_token_ids, request.next_draft_token_ids = [], []
         self.blocks.free(request)
         request.status = RequestStatus.WAITING
         request.num_computed_tokens = 0
@@ -114,7 +116,9 @@ class Scheduler:
             count = self._chunk(request, request.num_computed_tokens, budget)
             request.draft_token_ids = self._drafts(request, budget)
             count += len(request.draft_token_ids)
-            while not self.blocks.grow(request, request.num_computed_tokens + count):
+            samples = request.num_computed_tokens + count - len(request.draft_token_ids) >= request.num_tokens
+            ahead = self.lookahead if samples else 0  # a draft model drafts on past the step's positions
+            while not self.blocks.grow(request, request.num_computed_tokens + count + ahead):
                 victim = self.running.pop()  # the latest arrival
                 self._preempt(victim)
                 preempted += 1
@@ -128,7 +132,8 @@ class Scheduler:
             request = self.waiting[0]
             cached = self.blocks.cached_prefix_tokens(request)
             count = self._chunk(request, cached, budget)
-            if not self.blocks.admit(request, count):
+            ahead = self.lookahead if cached + count >= request.num_tokens else 0  # as for running requests
+            if not self.blocks.admit(request, count + ahead):
                 break
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING

@@ -9,7 +9,8 @@ token, for greedy and seeded sampling alike, whatever the draft: the draft only 
 step yields.
 
 Drafts come from a proposer. `ngram` (vLLM's prompt lookup) needs no model: it finds the longest recent
-n-gram of the sequence that occurred earlier and proposes the tokens that followed it.
+n-gram of the sequence that occurred earlier and proposes the tokens that followed it. `mtp` drafts with the
+checkpoint's multi-token-prediction layer (model/mtp.py), on the device, in the step before.
 """
 
 from __future__ import annotations
@@ -22,10 +23,17 @@ import torch
 
 from deepinfer_core.errors import DeepInferError
 
-__all__ = ["NgramProposer", "SpeculativeConfig", "SpeculativeError", "SpeculativeStats", "accepted_prefix"]
+__all__ = [
+    "DrafterProposer",
+    "NgramProposer",
+    "SpeculativeConfig",
+    "SpeculativeError",
+    "SpeculativeStats",
+    "accepted_prefix",
+]
 
 METHODS = ("ngram", "mtp", "dspark")
-IMPLEMENTED_METHODS = ("ngram",)
+IMPLEMENTED_METHODS = ("ngram", "mtp")
 VERIFY_MODES = ("fixed", "adaptive")
 ACCEPTANCE_MODES = ("coupled", "rejection")
 
@@ -99,8 +107,15 @@ class SpeculativeConfig:
             raise SpeculativeError(f"speculative config: {' and '.join(missing)} must be given")
         return cls(**value)
 
-    def proposer(self) -> NgramProposer:
-        return NgramProposer(self.prompt_lookup_min, self.prompt_lookup_max)
+    def proposer(self) -> NgramProposer | DrafterProposer:
+        if self.method == "ngram":
+            return NgramProposer(self.prompt_lookup_min, self.prompt_lookup_max)
+        return DrafterProposer()
+
+    @property
+    def lookahead(self) -> int:
+        """KV slots past a verify step's own that drafting writes (a draft model's further draft positions)."""
+        return 0 if self.method == "ngram" else self.num_speculative_tokens - 1
 
 
 class NgramProposer:
@@ -109,6 +124,9 @@ class NgramProposer:
 
     def __init__(self, min_n: int, max_n: int) -> None:
         self.min_n, self.max_n = min_n, max_n
+
+    def propose_for(self, request, k: int) -> list[int]:
+        return self.propose(request.all_token_ids, k)
 
     def propose(self, tokens: Sequence[int], k: int) -> list[int]:
         if k <= 0 or len(tokens) < self.min_n + 1:
@@ -121,6 +139,13 @@ class NgramProposer:
                 start = int(hits[-1]) + n  # the token after the latest earlier occurrence
                 return seq[start : start + k].tolist()
         return []
+
+
+class DrafterProposer:
+    """A draft model's drafts (MTP): made on the device by the step before, read back with its tokens."""
+
+    def propose_for(self, request, k: int) -> list[int]:
+        return request.next_draft_token_ids[: max(k, 0)]
 
 
 def accepted_prefix(drafts: Sequence[int], targets: Sequence[int]) -> int:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -17,9 +18,10 @@ from deepinfer_core.model.deepseek_v3 import FLOAT32_WEIGHTS, FP8_WEIGHTS, Deeps
 from deepinfer_core.model.deepseek_v4 import FLOAT32_WEIGHTS_V4, DeepseekV4Model, expected_weights_v4
 from deepinfer_core.model.deepseek_v41 import FLOAT32_WEIGHTS_V41, DeepseekV41Model, expected_weights_v41, token_map_for
 from deepinfer_core.model.loader import CheckpointError, load_tensors, read_config
+from deepinfer_core.model.mtp import MTPDrafter, mtp_weight_shapes
 from deepinfer_core.model.v41_names import v41_spellings
 
-__all__ = ["load_deepseek", "load_deepseek_v4", "load_deepseek_v41", "load_model", "model_registry"]
+__all__ = ["load_deepseek", "load_deepseek_v4", "load_deepseek_v41", "load_drafter", "load_model", "model_registry"]
 
 
 def load_deepseek(path: Path, raw_config: dict[str, Any], backend: ResolvedBackend, progress: bool = True):
@@ -82,3 +84,32 @@ def load_model(path: Path, backend: ResolvedBackend, registry: ModelRegistry, pr
     raise CheckpointError(
         f"unknown architecture {', '.join(architectures) or '(none)'} in {path}/config.json; DeepInfer serves {known}"
     )
+
+
+def load_drafter(method: str, path: Path | None, model, backend: ResolvedBackend, progress: bool = True):
+    """The draft model a speculative `method` needs, from the checkpoint at `path` (None: ngram needs none).
+    mtp: the MTP layer of a DeepSeek-V3 / V2-style checkpoint (model/mtp.py)."""
+    if method == "ngram":
+        return None
+    if not isinstance(model, DeepseekV3Model) or path is None:
+        raise CheckpointError(
+            f"speculative method {method!r} drafts with a DeepSeek-V3 checkpoint's MTP layer; "
+            f"{type(model).__name__} {'(the embedded demo model) ' if path is None else ''}has none here: "
+            'use {"method": "ngram"}'
+        )
+    raw = read_config(path)
+    config = model.config
+    layers = int(raw.get("num_nextn_predict_layers") or 0)
+    if layers < 1:
+        raise CheckpointError(
+            f"{path}/config.json has num_nextn_predict_layers = {layers}: the checkpoint has no MTP layer to "
+            'draft with; use {"method": "ngram"}'
+        )
+    prefix = f"model.layers.{config.num_hidden_layers}."  # a decoder layer's tensors, as layer num_hidden_layers
+    deeper = dataclasses.replace(config, num_hidden_layers=config.num_hidden_layers + 1)
+    block = {name: shape for name, shape in expected_weights(deeper).items() if name.startswith(prefix)}
+    keep_fp8 = FP8_WEIGHTS if "fp8_block" in backend.capabilities.weight_formats else None
+    weights = load_tensors(
+        path, raw, mtp_weight_shapes(config, block), backend.dtype, FLOAT32_WEIGHTS, progress, keep_fp8
+    )
+    return MTPDrafter(model, weights, backend)

@@ -128,7 +128,7 @@ def test_accepted_prefix():
         ({"method": "ngram", "num_speculative_tokens": 0}, "integer of 1 or more"),
         ({"method": "ngram", "num_speculative_tokens": 2, "draft_model": "x"}, "unknown field(s) 'draft_model'"),
         ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 5}, "is above prompt_lookup_max"),
-        ({"method": "mtp", "num_speculative_tokens": 2}, "does not implement method 'mtp'"),
+        ({"method": "dspark", "num_speculative_tokens": 2}, "does not implement method 'dspark'"),
         ({"method": "ngram", "num_speculative_tokens": 2, "acceptance": "rejection"}, "acceptance 'rejection'"),
     ],
 )
