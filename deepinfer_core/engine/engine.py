@@ -36,7 +36,13 @@ from deepinfer_core.engine.request import Delta, Request, RequestGroup, RequestO
 from deepinfer_core.engine.runner import ModelRunner
 from deepinfer_core.engine.scheduler import Scheduler, SchedulerConfig
 from deepinfer_core.engine.snapshots import WindowSnapshots, first_needed
-from deepinfer_core.engine.speculative import SpeculativeConfig, SpeculativeError, SpeculativeStats, accepted_prefix
+from deepinfer_core.engine.speculative import (
+    AcceptanceEstimate,
+    SpeculativeConfig,
+    SpeculativeError,
+    SpeculativeStats,
+    accepted_prefix,
+)
 from deepinfer_core.engine.stops import find_stop, held_back
 from deepinfer_core.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from deepinfer_core.errors import DeepInferError
@@ -160,6 +166,7 @@ class Engine:
             proposer=spec.proposer() if spec else None,
             num_speculative_tokens=spec.num_speculative_tokens if spec else 0,
             lookahead=spec.lookahead if spec else 0,
+            acceptance=AcceptanceEstimate(spec.num_speculative_tokens) if spec and spec.verify == "adaptive" else None,
         )
         self.spec_stats = SpeculativeStats() if spec else None
         self.observers = list(observers)
@@ -332,6 +339,8 @@ class Engine:
             accepted = accepted_prefix(drafts, [results.token_ids[r] for r in rows])
             if drafts:
                 self.spec_stats.record(len(drafts), accepted, self.config.speculative.num_speculative_tokens)
+                if self.scheduler.acceptance is not None:
+                    self.scheduler.acceptance.record(len(drafts), accepted)
             new_text, new_tokens = "", []
             for r in rows[: accepted + 1]:  # the accepted drafts are the tokens sampled at their positions
                 new_tokens.append(results.token_ids[r])

@@ -23,7 +23,7 @@ from deepinfer_core.engine.cost import CostModel, largest_chunk
 from deepinfer_core.engine.limits import at_least_one
 from deepinfer_core.engine.request import Request, RequestStatus
 from deepinfer_core.engine.snapshots import snapshot_boundary
-from deepinfer_core.engine.speculative import DrafterProposer, NgramProposer
+from deepinfer_core.engine.speculative import AcceptanceEstimate, DrafterProposer, NgramProposer, plan_verification
 
 __all__ = ["ScheduledStep", "Scheduler", "SchedulerConfig"]
 
@@ -59,10 +59,13 @@ class Scheduler:
         proposer: NgramProposer | DrafterProposer | None = None,
         num_speculative_tokens: int = 0,
         lookahead: int = 0,
+        acceptance: AcceptanceEstimate | None = None,
     ) -> None:
-        """lookahead: KV slots a decode needs past its own and its drafts' (a draft model drafting further)."""
+        """lookahead: KV slots a decode needs past its own and its drafts' (a draft model drafting further).
+        acceptance: adaptive verification; each step's drafts are cut to `plan_verification`'s choice."""
         self.config, self.blocks, self.cost_model = config, blocks, cost_model
         self.proposer, self.num_speculative_tokens, self.lookahead = proposer, num_speculative_tokens, lookahead
+        self.acceptance = acceptance
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
 
@@ -141,7 +144,30 @@ class Scheduler:
             self.running.sort(key=lambda r: r.arrival)
             scheduled.append((request, count))
             budget -= count
+        if self.acceptance is not None:
+            scheduled = self._plan_drafts(scheduled)
         return ScheduledStep(scheduled, preempted)
+
+    def _plan_drafts(self, scheduled: list[tuple[Request, int]]) -> list[tuple[Request, int]]:
+        """Adaptive verification: cut each decode's drafts to what `plan_verification` admits for this step."""
+        decodes = [i for i, (request, _) in enumerate(scheduled) if request.draft_token_ids]
+        if not decodes:
+            return scheduled
+        offered = [len(scheduled[i][0].draft_token_ids) for i in decodes]
+        base = sum(count for _, count in scheduled) - sum(offered)
+        context = max(scheduled[i][0].num_tokens for i in decodes)
+
+        def step_cost(tokens: int) -> float:
+            return self.cost_model.cost(tokens, context)
+
+        survival = self.acceptance.survival()
+        take = plan_verification(offered, [survival] * len(decodes), step_cost, base)
+        planned = list(scheduled)
+        for i, keep in zip(decodes, take):
+            request, count = scheduled[i]
+            planned[i] = (request, count - (len(request.draft_token_ids) - keep))
+            request.draft_token_ids = request.draft_token_ids[:keep]
+        return planned
 
     def finish(self, request: Request) -> None:
         """Remove a finished or aborted request and free its blocks."""

@@ -16,7 +16,7 @@ checkpoint's multi-token-prediction layer (model/mtp.py), on the device, in the 
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, fields
 
 import torch
@@ -24,12 +24,14 @@ import torch
 from deepinfer_core.errors import DeepInferError
 
 __all__ = [
+    "AcceptanceEstimate",
     "DrafterProposer",
     "NgramProposer",
     "SpeculativeConfig",
     "SpeculativeError",
     "SpeculativeStats",
     "accepted_prefix",
+    "plan_verification",
 ]
 
 METHODS = ("ngram", "mtp", "dspark")
@@ -45,8 +47,10 @@ class SpeculativeError(DeepInferError):
 @dataclass(frozen=True, slots=True)
 class SpeculativeConfig:
     """vLLM's --speculative-config fields (method, num_speculative_tokens, prompt_lookup_max / _min) and ours:
-    verify ("fixed": every step verifies num_speculative_tokens drafts, as far as the request may grow) and
-    acceptance ("coupled": a draft token stays iff it equals the token sampled at its position)."""
+    verify ("fixed": every step verifies num_speculative_tokens drafts, as far as the request may grow;
+    "adaptive": `plan_verification` chooses how many of them each request verifies, from the drafts' survival
+    estimates and the backend's step cost) and acceptance ("coupled": a draft token stays iff it equals the
+    token sampled at its position)."""
 
     method: str
     num_speculative_tokens: int
@@ -74,8 +78,6 @@ class SpeculativeConfig:
         not_yet = []
         if self.method not in IMPLEMENTED_METHODS:
             not_yet.append(f"method {self.method!r} (implemented: {', '.join(IMPLEMENTED_METHODS)})")
-        if self.verify != "fixed":
-            not_yet.append("verify 'adaptive' (implemented: 'fixed')")
         if self.acceptance != "coupled":
             not_yet.append("acceptance 'rejection' (implemented: 'coupled')")
         if not_yet:
@@ -179,3 +181,55 @@ class SpeculativeStats:
     def mean_accepted_length(self) -> float:
         """Tokens a verify step yields on average: its accepted drafts plus the one it samples itself."""
         return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
+
+
+class AcceptanceEstimate:
+    """Per draft position, how often a draft offered there was accepted given those before it were: the
+    survival curve the adaptive planner weighs drafts by, for drafters without a confidence head (ngram, MTP).
+    Each rate starts from a Beta(prior_accepted, prior_rejected) prior, so an unseen position is not ruled out."""
+
+    def __init__(self, positions: int, prior_accepted: float = 1.0, prior_rejected: float = 1.0) -> None:
+        self.offered = [0] * positions
+        self.accepted = [0] * positions
+        self.prior = (prior_accepted, prior_rejected)
+
+    def record(self, offered: int, accepted: int) -> None:
+        """One verify step of a request: `offered` drafts, the first `accepted` of them kept."""
+        for i in range(min(offered, accepted + 1)):  # a position counts once the drafts before it held
+            self.offered[i] += 1
+            self.accepted[i] += i < accepted
+
+    def survival(self) -> list[float]:
+        """P(drafts 1..j are all accepted), j = 1..positions."""
+        a, r = self.prior
+        out, alive = [], 1.0
+        for offered, accepted in zip(self.offered, self.accepted):
+            alive *= (accepted + a) / (offered + a + r)
+            out.append(alive)
+        return out
+
+
+def plan_verification(
+    offered: Sequence[int], survival: Sequence[Sequence[float]], step_cost: Callable[[int], float], base_tokens: int
+) -> list[int]:
+    """How many of its offered drafts each request verifies this step (adaptive verification).
+
+    offered[i]: drafts request i has; survival[i][j]: the probability its drafts 1..j+1 are all accepted;
+    step_cost(t): the step's estimated time with t tokens in it; base_tokens: the step's tokens without any
+    draft (each decode's own token, prefill chunks). Draft slots are admitted across the batch best first
+    (highest survival: each request's are in order) while the expected tokens the step yields per second
+    grows; the step yields at least one token per decode whatever is admitted."""
+    slots = sorted(
+        ((survival[i][j], i, j) for i, n in enumerate(offered) for j in range(n)), key=lambda s: (-s[0], s[1], s[2])
+    )
+    take = [0] * len(offered)
+    tokens, expected = base_tokens, float(len(offered))
+    rate = expected / step_cost(tokens)
+    for gain, i, j in slots:
+        if j != take[i]:  # a request's drafts are verified in order
+            continue
+        better = (expected + gain) / step_cost(tokens + 1)
+        if better <= rate:
+            break  # slots only get worse from here (sorted), and the cost does not fall as tokens grow
+        take[i], tokens, expected, rate = j + 1, tokens + 1, expected + gain, better
+    return take

@@ -172,3 +172,70 @@ def test_vllm_spec_decode_metrics_follow_the_engine(tiny_checkpoint):
         assert per_position == stats.accepted_per_position
         assert sum(per_position) == stats.num_accepted_tokens
         assert per_position[0] >= per_position[1] >= per_position[2]  # a draft is accepted after those before it
+
+
+# ---- adaptive verification ------------------------------------------------------------------------------
+
+
+def test_plan_verification_admits_slots_while_the_rate_grows():
+    from deepinfer_core.engine.speculative import plan_verification
+
+    def linear(t):  # 1 s a step plus 0.1 s a token
+        return 1.0 + 0.1 * t
+
+    # two decodes (2 base tokens): rate 2 / 1.2 = 1.67; slot 0.9 -> 2.9 / 1.3 = 2.23; 0.8 -> 3.7 / 1.4 = 2.64;
+    # 0.5 -> 4.2 / 1.5 = 2.8; 0.1 -> 4.3 / 1.6 = 2.69 (worse: stop)
+    survival = [[0.9, 0.5, 0.1], [0.8, 0.05, 0.01]]
+    assert plan_verification([3, 3], survival, linear, 2) == [2, 1]
+    assert plan_verification([1, 3], survival, linear, 2) == [1, 1]  # offered drafts cap it
+    assert plan_verification([3, 3], survival, lambda t: 1.0, 2) == [3, 3]  # free tokens: every draft
+
+    def steep(t):  # a token costs more than any draft can pay back
+        return 1.0 + 10.0 * t
+
+    assert plan_verification([3, 3], survival, steep, 2) == [0, 0]
+    assert plan_verification([], [], linear, 5) == []
+
+
+def test_acceptance_estimate_counts_a_position_once_the_drafts_before_it_held():
+    from deepinfer_core.engine.speculative import AcceptanceEstimate
+
+    estimate = AcceptanceEstimate(3, prior_accepted=0.0, prior_rejected=0.0)
+    estimate.record(3, 1)  # draft 1 kept, draft 2 rejected: position 3 never offered
+    estimate.record(3, 3)
+    estimate.record(2, 0)
+    assert estimate.offered == [3, 2, 1] and estimate.accepted == [2, 1, 1]
+    assert estimate.survival() == pytest.approx([2 / 3, 2 / 3 * 1 / 2, 2 / 3 * 1 / 2 * 1])
+    assert AcceptanceEstimate(2).survival() == pytest.approx([0.5, 0.25])  # the Beta(1, 1) prior alone
+
+
+class StepCost:
+    """A step cost of tokens ** power seconds: flat (0: every token free) or steep (3: no draft pays)."""
+
+    def __init__(self, power: int) -> None:
+        self.power = power
+
+    def cost(self, q_tokens: int, ctx_tokens: int) -> float:
+        return float(q_tokens) ** self.power
+
+
+@pytest.mark.parametrize("power, drafts_verified", [(0, "all"), (3, "none")])
+def test_adaptive_verification_follows_the_cost_and_keeps_the_output(tiny_checkpoint, power, drafts_verified):
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    cost = StepCost(power)  # it sizes prefill chunks too: the same in every run
+
+    def run(speculative):
+        llm = _llm(tiny_checkpoint, "rowwise_cpu", speculative)
+        llm.engine.scheduler.cost_model = cost
+        return llm, llm.generate([LOOP, LOOP[3:]], params, use_tqdm=False)
+
+    want = run(None)[1]
+    adaptive, got = run({**NGRAM, "verify": "adaptive"})
+    assert _tokens(got) == _tokens(want)
+    stats, estimate = adaptive.engine.spec_stats, adaptive.engine.scheduler.acceptance
+    if drafts_verified == "none":
+        assert stats.num_draft_tokens == 0 and sum(estimate.offered) == 0
+    else:  # free tokens: what fixed verification would verify
+        fixed = run(NGRAM)[0]
+        assert stats.num_draft_tokens == fixed.engine.spec_stats.num_draft_tokens > 0
+        assert estimate.offered[0] == stats.num_drafts
