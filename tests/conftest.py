@@ -127,6 +127,31 @@ def tiny_checkpoint(tmp_path_factory):
     return path
 
 
+@pytest.fixture(scope="session")
+def mtp_checkpoint(tmp_path_factory):
+    """The tiny DeepSeek-V3 of tiny_checkpoint's config with one MTP layer (num_nextn_predict_layers 1): the
+    model's tensors, a decoder block as layer num_hidden_layers and the MTP inputs and head (model/mtp.py)."""
+    import dataclasses
+    import json
+
+    from safetensors.torch import save_file
+
+    from deepinfer_core.model.config import DeepseekConfig
+    from deepinfer_core.model.deepseek_v3 import expected_weights
+    from deepinfer_core.model.mtp import mtp_weight_shapes
+
+    raw = {**TINY_V3_CONFIG, "num_nextn_predict_layers": 1}
+    config = DeepseekConfig.from_hf(raw)
+    deeper = dataclasses.replace(config, num_hidden_layers=config.num_hidden_layers + 1)
+    shapes = {**expected_weights(deeper), **mtp_weight_shapes(config, {})}
+    generator = torch.Generator().manual_seed(3)
+    path = tmp_path_factory.mktemp("tiny-v3-mtp")
+    save_file({name: torch.randn(shape, generator=generator) * 0.3 for name, shape in shapes.items()},
+              str(path / "model.safetensors"))  # fmt: skip
+    (path / "config.json").write_text(json.dumps(raw))
+    return path
+
+
 @pytest.fixture(scope="module")
 def one_torch_thread():
     """One intra-op thread for a module of tiny-model tests: faster than torch's default for tensors this

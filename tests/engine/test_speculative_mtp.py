@@ -5,10 +5,7 @@ really follows the sequence through verify steps and rollbacks); the errors a wr
 
 from __future__ import annotations
 
-import json
-
 import pytest
-import torch
 
 from deepinfer_core.engine.llm import LLM
 from deepinfer_core.model.loader import CheckpointError
@@ -17,35 +14,6 @@ from deepinfer_core.sampling.params import SamplingParams
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny tensors: see tests/conftest.py
 
 LOOP = [5, 6, 7, 8, 9] * 6
-
-
-@pytest.fixture(scope="module")
-def mtp_checkpoint(tmp_path_factory):
-    """The tiny DeepSeek-V3 of tests/conftest.py with one MTP layer (num_nextn_predict_layers 1)."""
-    import dataclasses
-    import sys
-    from pathlib import Path
-
-    from safetensors.torch import save_file
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from conftest import TINY_V3_CONFIG
-
-    from deepinfer_core.model.config import DeepseekConfig
-    from deepinfer_core.model.deepseek_v3 import expected_weights
-    from deepinfer_core.model.mtp import mtp_weight_shapes
-
-    raw = {**TINY_V3_CONFIG, "num_nextn_predict_layers": 1}
-    config = DeepseekConfig.from_hf(raw)
-    deeper = dataclasses.replace(config, num_hidden_layers=config.num_hidden_layers + 1)
-    shapes = expected_weights(deeper)  # the model's tensors and a decoder block as layer num_hidden_layers
-    mtp = mtp_weight_shapes(config, {})
-    generator = torch.Generator().manual_seed(3)
-    tensors = {name: torch.randn(shape, generator=generator) * 0.3 for name, shape in {**shapes, **mtp}.items()}
-    path = tmp_path_factory.mktemp("tiny-v3-mtp")
-    save_file(tensors, str(path / "model.safetensors"))
-    (path / "config.json").write_text(json.dumps(raw))
-    return path
 
 
 def _llm(checkpoint, accelerator="rowwise_cpu", k: int | None = 3, **kwargs) -> LLM:

@@ -1,0 +1,33 @@
+"""On a GPU only (skipped elsewhere; CI has none): speculative decoding on nvidia_sm100 (ngram and MTP drafts,
+verify steps through the prefill kernels) gives the tokens of plain decoding on the same GPU, on the tiny
+DeepSeek-V3 with an MTP layer in float32 (where a near-tie between two tokens is unlikely to flip)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA GPU (speculative decoding is checked on the CPU backends elsewhere)",
+                allow_module_level=True)  # fmt: skip
+
+from deepinfer_core.engine.llm import LLM  # noqa: E402
+from deepinfer_core.sampling.params import SamplingParams  # noqa: E402
+
+LOOP = [5, 6, 7, 8, 9] * 6
+
+
+@pytest.mark.parametrize("method", ["ngram", "mtp"])
+def test_speculative_tokens_are_plain_decodings_on_the_gpu(mtp_checkpoint, method):
+    def run(speculative):
+        llm = LLM(model=mtp_checkpoint, accelerator="nvidia", dtype="float32", block_size=16, progress=False,
+                  speculative_config=speculative)  # fmt: skip
+        params = [SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
+                  SamplingParams(temperature=0.8, seed=5, max_tokens=24, ignore_eos=True)]  # fmt: skip
+        return llm, [o.outputs[0].token_ids for o in llm.generate([LOOP, LOOP[2:]], params, use_tqdm=False)]
+
+    _, want = run(None)
+    spec, got = run({"method": method, "num_speculative_tokens": 3, "prompt_lookup_max": 3} if method == "ngram"
+                    else {"method": method, "num_speculative_tokens": 3})  # fmt: skip
+    assert got == want
+    assert spec.engine.spec_stats.num_draft_tokens > 0
