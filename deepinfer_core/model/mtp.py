@@ -12,7 +12,10 @@ Every step the drafter first catches up over the step's positions (the target's 
 tokens: known prompt tokens, or the tokens the step sampled), so its cache follows the target's; a verify
 step's rejected positions hold garbage past the sequence's length, as the target's do, and are overwritten
 by later steps. Then it drafts from the last accepted position, acceptance counted on the device. Drafts are
-greedy (argmax).
+greedy (argmax). Its cache lives in the model's blocks, so the prefix cache shares it too; the entry at a
+shared block's last position was computed with the token that followed it in the sequence that filled the
+block, which a sequence sharing only the block may not have (its drafts there may be worse; its output is
+the same, as with any draft).
 """
 
 from __future__ import annotations
