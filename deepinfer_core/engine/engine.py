@@ -139,6 +139,7 @@ class Engine:
             num_seq_slots=config.scheduler.max_num_seqs,
             drafter=drafter,
             num_draft_tokens=spec.num_speculative_tokens if spec else 0,
+            rejection=spec is not None and spec.acceptance == "rejection",
         )
         snapshots = WindowSnapshots(
             backend.kv_layout,

@@ -7,6 +7,7 @@ the step still in flight sampled is taken from that step's token tensor, on the 
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -22,6 +23,7 @@ from deepinfer_core.engine.snapshots import first_needed
 from deepinfer_core.engine.transfer import to_device
 from deepinfer_core.kv.caches import allocate_caches
 from deepinfer_core.sampling.logprobs import TokenLogprobs, logprobs_of, ranks_of, with_raw_logprobs
+from deepinfer_core.sampling.rejection import rejection_tokens, select_rows
 from deepinfer_core.sampling.sampler import SampleOutput, SamplingBatch
 
 __all__ = ["ModelRunner", "PromptLogprobs", "PromptSpan", "StepBatch", "StepOutput"]
@@ -106,17 +108,20 @@ class ModelRunner:
         num_seq_slots: int = 64,
         drafter=None,
         num_draft_tokens: int = 0,
+        rejection: bool = False,
     ) -> None:
         """graph_batch_size > 0 replays decode steps of up to that many sequences from device graphs,
         where the backend can capture them; the caches then get one scratch block (and sequence slot) for
         padding rows.
         Per-sequence caches get `num_seq_slots` slots (the scheduler's max_num_seqs).
         drafter: a draft model (model/mtp.py) run after every step to draft `num_draft_tokens` tokens per
-        sampled request; its caches follow the model's. Steps then run eagerly."""
+        sampled request; its caches follow the model's. Steps then run eagerly.
+        rejection: a row that checks a draft keeps it by rejection sampling (sampling/rejection.py), not by
+        equality with the token sampled there."""
         self.model, self.backend, self.sampler = model, backend, backend.sampler
         self.device = backend.torch_device
         self.block_size = backend.kv_layout.block_size
-        self.drafter, self.num_draft_tokens = drafter, num_draft_tokens
+        self.drafter, self.num_draft_tokens, self.rejection = drafter, num_draft_tokens, rejection
         use_graphs = backend.graphs is not None and graph_batch_size > 0 and getattr(model, "graph_capture", False)
         use_graphs = use_graphs and drafter is None
         # graphs: block `num_blocks` and sequence slot `num_seq_slots` are the padding rows' scratch
@@ -304,13 +309,34 @@ class ModelRunner:
             sampling.output_tokens[rows, columns] = in_flight.token_ids[sources]
         offsets = batch.draft_offsets or (0,) * len(sampled)
         masked_rows = [i for i, r in enumerate(sampled) if r.masks_stop_tokens(offsets[i])]
-        if not masked_rows:
-            output = self.sampler.sample(logits, sampling)
-        else:
-            output = self.sampler.sample(self._mask_stop_tokens(logits, masked_rows, sampled), sampling)
+        seen = self._mask_stop_tokens(logits, masked_rows, sampled) if masked_rows else logits
+        output = self.sampler.sample(seen, sampling)
+        if masked_rows:
             output = with_raw_logprobs(output, logits, to_device(masked_rows, self.device))
+        if self.rejection and batch.draft_offsets:
+            output = self._rejection(batch, logits, seen, sampling, output)
         wants_ranks = any(r.params.logprobs is not None for r in sampled)
         return output, ranks_of(logits, output.token_ids) if wants_ranks else None
+
+    def _rejection(
+        self, batch: StepBatch, logits: torch.Tensor, seen: torch.Tensor, sampling: SamplingBatch, output: SampleOutput
+    ) -> SampleOutput:
+        """Rejection sampling: the rows that check a draft take `rejection_tokens`' token (and its raw logprob)."""
+        rows, drafts = [], []
+        for i, (request, offset) in enumerate(zip(batch.sampled, batch.draft_offsets)):
+            if offset < len(request.draft_token_ids):
+                rows.append(i)
+                drafts.append(request.draft_token_ids[offset])
+        if not rows:
+            return output
+        index = to_device(rows, self.device)
+        tokens = rejection_tokens(seen[index], select_rows(sampling, index), to_device(drafts, self.device))
+        raw = torch.log_softmax(logits[index], dim=1).gather(1, tokens[:, None])[:, 0]
+        return dataclasses.replace(
+            output,
+            token_ids=output.token_ids.index_put((index,), tokens),
+            logprobs=output.logprobs.index_put((index,), raw),
+        )
 
     def execute(self, scheduled: Sequence[tuple[Request, int]], in_flight: InFlightTokens | None = None) -> StepOutput:
         """Run the step: its tokens and logprobs stay on the device."""

@@ -50,7 +50,8 @@ class SpeculativeConfig:
     verify ("fixed": every step verifies num_speculative_tokens drafts, as far as the request may grow;
     "adaptive": `plan_verification` chooses how many of them each request verifies, from the drafts' survival
     estimates and the backend's step cost) and acceptance ("coupled": a draft token stays iff it equals the
-    token sampled at its position)."""
+    token sampled at its position; "rejection": standard rejection sampling, sampling/rejection.py: the same
+    distribution, not the same tokens as plain decoding)."""
 
     method: str
     num_speculative_tokens: int
@@ -78,8 +79,6 @@ class SpeculativeConfig:
         not_yet = []
         if self.method not in IMPLEMENTED_METHODS:
             not_yet.append(f"method {self.method!r} (implemented: {', '.join(IMPLEMENTED_METHODS)})")
-        if self.acceptance != "coupled":
-            not_yet.append("acceptance 'rejection' (implemented: 'coupled')")
         if not_yet:
             raise SpeculativeError(f"speculative decoding does not implement {' nor '.join(not_yet)} yet")
 

@@ -129,7 +129,7 @@ def test_accepted_prefix():
         ({"method": "ngram", "num_speculative_tokens": 2, "draft_model": "x"}, "unknown field(s) 'draft_model'"),
         ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 5}, "is above prompt_lookup_max"),
         ({"method": "dspark", "num_speculative_tokens": 2}, "does not implement method 'dspark'"),
-        ({"method": "ngram", "num_speculative_tokens": 2, "acceptance": "rejection"}, "acceptance 'rejection'"),
+        ({"method": "ngram", "num_speculative_tokens": 2, "acceptance": "exact"}, "acceptance must be one of"),
     ],
 )
 def test_bad_configs_say_what_is_wrong(value, message):
@@ -239,3 +239,16 @@ def test_adaptive_verification_follows_the_cost_and_keeps_the_output(tiny_checkp
         fixed = run(NGRAM)[0]
         assert stats.num_draft_tokens == fixed.engine.spec_stats.num_draft_tokens > 0
         assert estimate.offered[0] == stats.num_drafts
+
+
+def test_rejection_acceptance_keeps_greedy_output_and_accepts_sampled_drafts(tiny_checkpoint):
+    """Rejection sampling gives plain decoding's distribution, not its tokens (sampling/rejection.py checks the
+    distribution); greedy rows are the same tokens, and sampled rows keep drafts at their probability."""
+    greedy = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    sampled = SamplingParams(temperature=0.5, seed=3, max_tokens=20, ignore_eos=True)
+    plain = _llm(tiny_checkpoint, "rowwise_cpu").generate([LOOP, LOOP], [greedy, sampled], use_tqdm=False)
+    spec = _llm(tiny_checkpoint, "rowwise_cpu", {**NGRAM, "acceptance": "rejection"})
+    got = spec.generate([LOOP, LOOP], [greedy, sampled], use_tqdm=False)
+    assert got[0].outputs[0].token_ids == plain[0].outputs[0].token_ids
+    assert len(got[1].outputs[0].token_ids) == 20
+    assert spec.engine.spec_stats.num_accepted_tokens > 0
