@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from deepinfer_core.engine.llm import LLM
 from deepinfer_core.engine.speculative import NgramProposer, SpeculativeConfig, SpeculativeError, accepted_prefix
@@ -252,3 +253,35 @@ def test_rejection_acceptance_keeps_greedy_output_and_accepts_sampled_drafts(tin
     assert got[0].outputs[0].token_ids == plain[0].outputs[0].token_ids
     assert len(got[1].outputs[0].token_ids) == 20
     assert spec.engine.spec_stats.num_accepted_tokens > 0
+
+
+def _drive_to(llm: LLM, prompt: list[int], tokens: int):
+    """Step one greedy request until it holds at least `tokens` tokens -> (request, its computed positions)."""
+    engine = llm.engine
+    engine.add_request("driven", prompt, SamplingParams(temperature=0, max_tokens=64, ignore_eos=True))
+    request = engine._requests["driven"].samples[0]
+    while request.num_known_tokens < tokens:
+        engine.step()
+    return request
+
+
+@pytest.mark.parametrize("accelerator", ["cpu", "rowwise_cpu"])
+def test_caches_after_rollback_equal_a_run_that_never_drafted(tiny_checkpoint, accelerator):
+    """The KV of every computed position, read through the layout, equals plain decoding's: rejected drafts
+    left nothing behind that a later step reads (bitwise on the row-invariant backend)."""
+    plain, spec = _llm(tiny_checkpoint, accelerator), _llm(tiny_checkpoint, accelerator, NGRAM)
+    a, b = _drive_to(plain, LOOP, 52), _drive_to(spec, LOOP, 52)
+    assert spec.engine.spec_stats.num_draft_tokens > spec.engine.spec_stats.num_accepted_tokens > 0  # some rejected
+    computed = min(a.num_computed_tokens, b.num_computed_tokens)
+    assert a.all_token_ids[:computed] == b.all_token_ids[:computed]
+    layout, specs = plain.backend.kv_layout, plain.model.cache_specs
+
+    def kv_rows(request, llm: LLM) -> list[torch.Tensor]:
+        slots = torch.tensor([request.block_ids[p // 16] * 16 + p % 16 for p in range(computed)])
+        return [layout.gather(c["kv"], layer["kv"], slots) for layer, c in zip(specs, llm.engine.runner.caches)]
+
+    for got, want in zip(kv_rows(b, spec), kv_rows(a, plain)):
+        if accelerator == "rowwise_cpu":
+            assert torch.equal(got, want)
+        else:
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
