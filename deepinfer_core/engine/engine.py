@@ -84,10 +84,19 @@ class EngineConfig:
         check_prefix_replay(self.prefix_replay)
 
 
-def _check_speculative(model) -> None:
-    """Speculative decoding rolls rejected drafts back in paged caches only (their KV past the sequence's
-    length is never read, and is overwritten): refuse models with per-sequence caches."""
-    kinds = {spec.kind for layer in model.cache_specs for spec in layer.values()}
+def _check_speculative(model, spec: SpeculativeConfig) -> None:
+    """Rejected drafts must leave no trace a later step reads: in paged caches their entries lie past the
+    sequence's length and are rewritten first; per-sequence caches need the model's `speculative_rollback`
+    (model/state_rollback.py), which bounds the drafts a step may verify."""
+    rollback = getattr(model, "speculative_rollback", None)
+    if rollback is not None:
+        if spec.num_speculative_tokens > rollback.max_drafts:
+            raise SpeculativeError(
+                f"{type(model).__name__} can roll back at most {rollback.max_drafts} drafted tokens a step "
+                f"(its window rings' spare slots); num_speculative_tokens is {spec.num_speculative_tokens}"
+            )
+        return
+    kinds = {cache.kind for layer in model.cache_specs for cache in layer.values()}
     others = sorted(kind.value for kind in kinds - {CacheKind.PAGED})
     if others:
         raise SpeculativeError(
@@ -112,7 +121,7 @@ class Engine:
         self.model, self.backend, self.tokenizer, self.config = model, backend, tokenizer, config
         spec = config.speculative
         if spec is not None:
-            _check_speculative(model)
+            _check_speculative(model, spec)
             if (spec.method == "ngram") != (drafter is None):
                 raise SpeculativeError(
                     f"speculative method {spec.method!r} "
@@ -141,12 +150,12 @@ class Engine:
             num_draft_tokens=spec.num_speculative_tokens if spec else 0,
             rejection=spec is not None and spec.acceptance == "rejection",
         )
-        snapshots = WindowSnapshots(
+        snapshots = WindowSnapshots(  # none while speculating: a step's snapshot would hold its drafts' writes
             backend.kv_layout,
             model.cache_specs,
             self.runner.caches,
             backend.torch_device,
-            config.window_snapshot_bytes if config.enable_prefix_caching else 0,
+            config.window_snapshot_bytes if config.enable_prefix_caching and spec is None else 0,
             block_size,
         )
         self.blocks = BlockManager(
@@ -296,7 +305,11 @@ class Engine:
         needed = None  # as the runner computes it for the step: a snapshot is whole from there on
         if self.snapshots is not None:
             needed = [first_needed(r, self.blocks.block_size, True) for r, _ in scheduled.requests]
+        rollback = getattr(self.model, "speculative_rollback", None)
+        verifying = [request for request, _ in scheduled.requests if request.draft_token_ids]
+        saved = rollback.save(self.runner.caches, [r.seq_slot for r in verifying]) if rollback and verifying else None
         launched = LaunchedStep(scheduled, self.runner.execute(scheduled.requests, in_flight))
+        launched.saved_states = (verifying, saved)
         for row, (request, count) in enumerate(scheduled.requests):
             request.num_computed_tokens += count - len(request.draft_token_ids)  # drafts: once accepted
             self.blocks.cache_full_blocks(request)  # blocks whose tokens are all known on the host
@@ -325,6 +338,7 @@ class Engine:
             if group is not None and not chunk.request.finished and group.prompt_logprobs is not None:
                 self._logprobs.record_prompt(group, chunk)
         changed: dict[RequestGroup, dict[int, Delta]] = {}
+        rejected: dict[Request, range] = {}  # positions of rejected drafts, per request that continues
         if results.drafts is not None:  # a draft model's drafts for each sampled request's next step
             for request, drafts in zip(dict.fromkeys(step.sampled), results.drafts):
                 request.next_draft_token_ids = drafts
@@ -353,10 +367,22 @@ class Engine:
                 self._detokenizers.pop(request, None)
             else:  # the accepted drafts' KV is computed; the block a token completes may be too
                 request.num_computed_tokens += len(new_tokens) - 1
+                if accepted < len(drafts):
+                    rejected[request] = range(
+                        request.num_computed_tokens, request.num_computed_tokens + len(drafts) - accepted
+                    )
                 self.blocks.cache_full_blocks(request)
                 if self.snapshots is not None:
                     self.snapshots.keep_pending(request)
             changed.setdefault(self._requests[request.request_id], {})[request.index] = (new_text, tuple(new_tokens))
+        verifying, saved = step.saved_states
+        if saved is not None and rejected:
+            self.model.speculative_rollback.restore(
+                self.runner.caches,
+                [r.seq_slot for r in verifying],
+                saved,
+                [rejected.get(r, range(0)) for r in verifying],
+            )
         outputs = []
         for group, deltas in changed.items():
             if group.finished:

@@ -18,6 +18,7 @@ from deepinfer_core.kv.layout import CacheKind
 from deepinfer_core.model.config_v4 import CSA, SLIDING, DeepseekV4Config
 from deepinfer_core.model.layers import DenseMLP, MoE
 from deepinfer_core.model.rope import rotary_tables
+from deepinfer_core.model.state_rollback import PositionRowStates
 from deepinfer_core.model.v4_attention import V4Attention
 from deepinfer_core.model.v4_step import V4Step
 
@@ -159,6 +160,8 @@ class DeepseekV4Model:
                 )
             )
         self.cache_specs = [attention.cache_specs for _, _, attention, _ in self.layers]
+        # speculative decoding: the compressor and indexer states' rows of rejected drafts are put back
+        self.speculative_rollback = PositionRowStates(backend.kv_layout, self.cache_specs, device)
 
     def _moe(self, backend: ResolvedBackend, w: dict, p: str, layer: int) -> MoE:
         cfg, limit = self.config, self.config.swiglu_limit

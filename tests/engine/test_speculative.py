@@ -143,9 +143,17 @@ def test_a_json_config_parses():
     assert (config.method, config.num_speculative_tokens, config.prompt_lookup_max) == ("ngram", 3, 3)
 
 
-def test_a_model_with_per_sequence_caches_is_refused():
+def test_a_model_with_per_sequence_caches_and_no_rollback_is_refused():
+    """DeepSeek-V4 rolls its states back (tests/engine/test_speculative_v4.py); a model that cannot is refused."""
+    from types import SimpleNamespace
+
+    from deepinfer_core.engine.engine import _check_speculative
+    from deepinfer_core.kv.layout import CacheKind, CacheSpec
+
+    ring = CacheSpec(CacheKind.SLIDING_WINDOW, torch.float32, 1, 8, window=4)
+    model = SimpleNamespace(cache_specs=[{"window": ring}])
     with pytest.raises(SpeculativeError, match="sliding_window.*rolled back"):
-        LLM(accelerator="cpu", progress=False, speculative_config=NGRAM)  # the demo model is a DeepSeek-V4
+        _check_speculative(model, SpeculativeConfig.parse(NGRAM))
 
 
 def test_vllm_spec_decode_metrics_follow_the_engine(tiny_checkpoint):
