@@ -42,11 +42,13 @@ from deepinfer_core.engine.speculative import (
     SpeculativeError,
     SpeculativeStats,
     accepted_prefix,
+    check_model,
+    restore_rejected,
+    save_for_rollback,
 )
 from deepinfer_core.engine.stops import find_stop, held_back
 from deepinfer_core.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from deepinfer_core.errors import DeepInferError
-from deepinfer_core.kv.layout import CacheKind
 from deepinfer_core.sampling.params import SamplingParams
 
 __all__ = ["Engine", "EngineConfig", "RequestError"]
@@ -84,28 +86,6 @@ class EngineConfig:
         check_prefix_replay(self.prefix_replay)
 
 
-def _check_speculative(model, spec: SpeculativeConfig) -> None:
-    """Rejected drafts must leave no trace a later step reads: in paged caches their entries lie past the
-    sequence's length and are rewritten first; per-sequence caches need the model's `speculative_rollback`
-    (model/state_rollback.py), which bounds the drafts a step may verify."""
-    rollback = getattr(model, "speculative_rollback", None)
-    if rollback is not None:
-        if spec.num_speculative_tokens > rollback.max_drafts:
-            raise SpeculativeError(
-                f"{type(model).__name__} can roll back at most {rollback.max_drafts} drafted tokens a step "
-                f"(its window rings' spare slots); num_speculative_tokens is {spec.num_speculative_tokens}"
-            )
-        return
-    kinds = {cache.kind for layer in model.cache_specs for cache in layer.values()}
-    others = sorted(kind.value for kind in kinds - {CacheKind.PAGED})
-    if others:
-        raise SpeculativeError(
-            f"speculative decoding of {type(model).__name__} is not supported yet: its {', '.join(others)} "
-            "caches would need rejected drafts rolled back (paged caches only so far); run it without "
-            "--speculative-config"
-        )
-
-
 class Engine:
     def __init__(
         self,
@@ -121,7 +101,7 @@ class Engine:
         self.model, self.backend, self.tokenizer, self.config = model, backend, tokenizer, config
         spec = config.speculative
         if spec is not None:
-            _check_speculative(model, spec)
+            check_model(model, spec)
             if (spec.method == "ngram") != (drafter is None):
                 raise SpeculativeError(
                     f"speculative method {spec.method!r} "
@@ -305,11 +285,9 @@ class Engine:
         needed = None  # as the runner computes it for the step: a snapshot is whole from there on
         if self.snapshots is not None:
             needed = [first_needed(r, self.blocks.block_size, True) for r, _ in scheduled.requests]
-        rollback = getattr(self.model, "speculative_rollback", None)
-        verifying = [request for request, _ in scheduled.requests if request.draft_token_ids]
-        saved = rollback.save(self.runner.caches, [r.seq_slot for r in verifying]) if rollback and verifying else None
+        saved = save_for_rollback(self.model, self.runner.caches, scheduled.requests)  # before the step writes
         launched = LaunchedStep(scheduled, self.runner.execute(scheduled.requests, in_flight))
-        launched.saved_states = (verifying, saved)
+        launched.saved_states = saved
         for row, (request, count) in enumerate(scheduled.requests):
             request.num_computed_tokens += count - len(request.draft_token_ids)  # drafts: once accepted
             self.blocks.cache_full_blocks(request)  # blocks whose tokens are all known on the host
@@ -375,14 +353,7 @@ class Engine:
                 if self.snapshots is not None:
                     self.snapshots.keep_pending(request)
             changed.setdefault(self._requests[request.request_id], {})[request.index] = (new_text, tuple(new_tokens))
-        verifying, saved = step.saved_states
-        if saved is not None and rejected:
-            self.model.speculative_rollback.restore(
-                self.runner.caches,
-                [r.seq_slot for r in verifying],
-                saved,
-                [rejected.get(r, range(0)) for r in verifying],
-            )
+        restore_rejected(self.model, self.runner.caches, step.saved_states, rejected)
         outputs = []
         for group, deltas in changed.items():
             if group.finished:

@@ -22,6 +22,7 @@ from dataclasses import dataclass, fields
 import torch
 
 from deepinfer_core.errors import DeepInferError
+from deepinfer_core.kv.layout import CacheKind
 
 __all__ = [
     "AcceptanceEstimate",
@@ -31,7 +32,10 @@ __all__ = [
     "SpeculativeError",
     "SpeculativeStats",
     "accepted_prefix",
+    "check_model",
     "plan_verification",
+    "restore_rejected",
+    "save_for_rollback",
 ]
 
 METHODS = ("ngram", "mtp", "dspark")
@@ -232,3 +236,44 @@ def plan_verification(
             break  # slots only get worse from here (sorted), and the cost does not fall as tokens grow
         take[i], tokens, expected, rate = j + 1, tokens + 1, expected + gain, better
     return take
+
+
+def check_model(model, spec: SpeculativeConfig) -> None:
+    """Rejected drafts must leave no trace a later step reads: in paged caches their entries lie past the
+    sequence's length and are rewritten first; per-sequence caches need the model's `speculative_rollback`
+    (model/state_rollback.py), which bounds the drafts a step may verify."""
+    rollback = getattr(model, "speculative_rollback", None)
+    if rollback is not None:
+        if spec.num_speculative_tokens > rollback.max_drafts:
+            raise SpeculativeError(
+                f"{type(model).__name__} can roll back at most {rollback.max_drafts} drafted tokens a step "
+                f"(its window rings' spare slots); num_speculative_tokens is {spec.num_speculative_tokens}"
+            )
+        return
+    kinds = {cache.kind for layer in model.cache_specs for cache in layer.values()}
+    others = sorted(kind.value for kind in kinds - {CacheKind.PAGED})
+    if others:
+        raise SpeculativeError(
+            f"speculative decoding of {type(model).__name__} is not supported yet: its {', '.join(others)} "
+            "caches would need rejected drafts rolled back (paged caches only so far); run it without "
+            "--speculative-config"
+        )
+
+
+def save_for_rollback(model, caches, scheduled) -> tuple[list, list | None]:
+    """Before a step: the per-sequence states of its verifying requests, where the model rolls states back
+    (`speculative_rollback`) -> (those requests, the copies or None)."""
+    rollback = getattr(model, "speculative_rollback", None)
+    verifying = [request for request, _ in scheduled if request.draft_token_ids]
+    if rollback is None or not verifying:
+        return verifying, None
+    return verifying, rollback.save(caches, [r.seq_slot for r in verifying])
+
+
+def restore_rejected(model, caches, saved_states: tuple[list, list | None], rejected: dict) -> None:
+    """After a step: put back the states its rejected drafts (`rejected`: request -> positions) overwrote."""
+    verifying, saved = saved_states
+    if saved is None or not rejected:
+        return
+    slots = [r.seq_slot for r in verifying]
+    model.speculative_rollback.restore(caches, slots, saved, [rejected.get(r, range(0)) for r in verifying])

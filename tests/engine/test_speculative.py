@@ -147,13 +147,13 @@ def test_a_model_with_per_sequence_caches_and_no_rollback_is_refused():
     """DeepSeek-V4 rolls its states back (tests/engine/test_speculative_v4.py); a model that cannot is refused."""
     from types import SimpleNamespace
 
-    from deepinfer_core.engine.engine import _check_speculative
+    from deepinfer_core.engine.speculative import check_model
     from deepinfer_core.kv.layout import CacheKind, CacheSpec
 
     ring = CacheSpec(CacheKind.SLIDING_WINDOW, torch.float32, 1, 8, window=4)
     model = SimpleNamespace(cache_specs=[{"window": ring}])
     with pytest.raises(SpeculativeError, match="sliding_window.*rolled back"):
-        _check_speculative(model, SpeculativeConfig.parse(NGRAM))
+        check_model(model, SpeculativeConfig.parse(NGRAM))
 
 
 def test_vllm_spec_decode_metrics_follow_the_engine(tiny_checkpoint):
