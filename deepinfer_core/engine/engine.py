@@ -43,8 +43,6 @@ from deepinfer_core.engine.speculative import (
     SpeculativeStats,
     accepted_prefix,
     check_model,
-    restore_rejected,
-    save_for_rollback,
 )
 from deepinfer_core.engine.stops import find_stop, held_back
 from deepinfer_core.engine.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -285,9 +283,7 @@ class Engine:
         needed = None  # as the runner computes it for the step: a snapshot is whole from there on
         if self.snapshots is not None:
             needed = [first_needed(r, self.blocks.block_size, True) for r, _ in scheduled.requests]
-        saved = save_for_rollback(self.model, self.runner.caches, scheduled.requests)  # before the step writes
         launched = LaunchedStep(scheduled, self.runner.execute(scheduled.requests, in_flight))
-        launched.saved_states = saved
         for row, (request, count) in enumerate(scheduled.requests):
             request.num_computed_tokens += count - len(request.draft_token_ids)  # drafts: once accepted
             self.blocks.cache_full_blocks(request)  # blocks whose tokens are all known on the host
@@ -316,7 +312,6 @@ class Engine:
             if group is not None and not chunk.request.finished and group.prompt_logprobs is not None:
                 self._logprobs.record_prompt(group, chunk)
         changed: dict[RequestGroup, dict[int, Delta]] = {}
-        rejected: dict[Request, range] = {}  # positions of rejected drafts, per request that continues
         if results.drafts is not None:  # a draft model's drafts for each sampled request's next step
             for request, drafts in zip(dict.fromkeys(step.sampled), results.drafts):
                 request.next_draft_token_ids = drafts
@@ -345,15 +340,10 @@ class Engine:
                 self._detokenizers.pop(request, None)
             else:  # the accepted drafts' KV is computed; the block a token completes may be too
                 request.num_computed_tokens += len(new_tokens) - 1
-                if accepted < len(drafts):
-                    rejected[request] = range(
-                        request.num_computed_tokens, request.num_computed_tokens + len(drafts) - accepted
-                    )
                 self.blocks.cache_full_blocks(request)
                 if self.snapshots is not None:
                     self.snapshots.keep_pending(request)
             changed.setdefault(self._requests[request.request_id], {})[request.index] = (new_text, tuple(new_tokens))
-        restore_rejected(self.model, self.runner.caches, step.saved_states, rejected)
         outputs = []
         for group, deltas in changed.items():
             if group.finished:

@@ -78,7 +78,6 @@ class LaunchedStep:
         if output.drafts is not None:
             tensors.append(output.drafts)
         self._host = HostCopy(tensors)
-        self.saved_states: tuple[list[Request], list | None] = ([], None)  # states saved for rollback (engine)
 
     def tokens(self) -> InFlightTokens | None:
         """Where the next step finds this step's tokens."""

@@ -34,8 +34,6 @@ __all__ = [
     "accepted_prefix",
     "check_model",
     "plan_verification",
-    "restore_rejected",
-    "save_for_rollback",
 ]
 
 METHODS = ("ngram", "mtp", "dspark")
@@ -240,13 +238,13 @@ def plan_verification(
 
 def check_model(model, spec: SpeculativeConfig) -> None:
     """Rejected drafts must leave no trace a later step reads: in paged caches their entries lie past the
-    sequence's length and are rewritten first; per-sequence caches need the model's `speculative_rollback`
-    (model/state_rollback.py), which bounds the drafts a step may verify."""
-    rollback = getattr(model, "speculative_rollback", None)
-    if rollback is not None:
-        if spec.num_speculative_tokens > rollback.max_drafts:
+    sequence's length and are rewritten first; a model with per-sequence caches (rings, states) says how many
+    drafts a step may verify without that (`speculative_max_drafts`: spare ring slots and state rows)."""
+    limit = getattr(model, "speculative_max_drafts", None)
+    if limit is not None:
+        if spec.num_speculative_tokens > limit:
             raise SpeculativeError(
-                f"{type(model).__name__} can roll back at most {rollback.max_drafts} drafted tokens a step "
+                f"{type(model).__name__} can roll back at most {limit} drafted tokens a step "
                 f"(its window rings' spare slots); num_speculative_tokens is {spec.num_speculative_tokens}"
             )
         return
@@ -258,22 +256,3 @@ def check_model(model, spec: SpeculativeConfig) -> None:
             "caches would need rejected drafts rolled back (paged caches only so far); run it without "
             "--speculative-config"
         )
-
-
-def save_for_rollback(model, caches, scheduled) -> tuple[list, list | None]:
-    """Before a step: the per-sequence states of its verifying requests, where the model rolls states back
-    (`speculative_rollback`) -> (those requests, the copies or None)."""
-    rollback = getattr(model, "speculative_rollback", None)
-    verifying = [request for request, _ in scheduled if request.draft_token_ids]
-    if rollback is None or not verifying:
-        return verifying, None
-    return verifying, rollback.save(caches, [r.seq_slot for r in verifying])
-
-
-def restore_rejected(model, caches, saved_states: tuple[list, list | None], rejected: dict) -> None:
-    """After a step: put back the states its rejected drafts (`rejected`: request -> positions) overwrote."""
-    verifying, saved = saved_states
-    if saved is None or not rejected:
-        return
-    slots = [r.seq_slot for r in verifying]
-    model.speculative_rollback.restore(caches, slots, saved, [rejected.get(r, range(0)) for r in verifying])

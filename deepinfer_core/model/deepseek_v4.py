@@ -18,8 +18,7 @@ from deepinfer_core.kv.layout import CacheKind
 from deepinfer_core.model.config_v4 import CSA, SLIDING, DeepseekV4Config
 from deepinfer_core.model.layers import DenseMLP, MoE
 from deepinfer_core.model.rope import rotary_tables
-from deepinfer_core.model.state_rollback import PositionRowStates
-from deepinfer_core.model.v4_attention import V4Attention
+from deepinfer_core.model.v4_attention import ROLLBACK_SLOTS, V4Attention
 from deepinfer_core.model.v4_step import V4Step
 
 __all__ = ["DeepseekV4Model", "FLOAT32_WEIGHTS_V4", "UnsupportedModelError", "expected_weights_v4"]
@@ -160,8 +159,8 @@ class DeepseekV4Model:
                 )
             )
         self.cache_specs = [attention.cache_specs for _, _, attention, _ in self.layers]
-        # speculative decoding: the compressor and indexer states' rows of rejected drafts are put back
-        self.speculative_rollback = PositionRowStates(backend.kv_layout, self.cache_specs, device)
+        # speculative decoding: rejected drafts land in the rings' and states' spare rows (v4_attention)
+        self.speculative_max_drafts = ROLLBACK_SLOTS
 
     def _moe(self, backend: ResolvedBackend, w: dict, p: str, layer: int) -> MoE:
         cfg, limit = self.config, self.config.swiglu_limit

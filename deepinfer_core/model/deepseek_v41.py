@@ -20,6 +20,7 @@ from deepinfer_core.model.config_v41 import DeepseekV41Config
 from deepinfer_core.model.deepseek_v4 import UnsupportedModelError
 from deepinfer_core.model.layers import DenseMLP, MoE
 from deepinfer_core.model.rope import rotary_tables
+from deepinfer_core.model.v4_attention import ROLLBACK_SLOTS
 from deepinfer_core.model.v4_step import V4Step
 from deepinfer_core.model.v41_attention import SharedIndices, V41Attention
 from deepinfer_core.model.v41_engram import ENGRAM_STATE, EngramLayer, EngramTables, NgramHasher
@@ -161,6 +162,8 @@ class DeepseekV41Model:
         self.cache_specs = [dict(attention.cache_specs) for _, _, attention, _, _ in self.layers]
         if self.hasher is not None:  # the look-back lives with the first engram layer's caches
             self.cache_specs[config.engram_layer_ids[0]][ENGRAM_STATE] = self.hasher.state_spec
+        # speculative decoding: rejected drafts land in the rings' and states' spare rows (v4_attention)
+        self.speculative_max_drafts = ROLLBACK_SLOTS
 
     def _moe(self, backend: ResolvedBackend, w: dict, p: str) -> MoE:
         cfg, limit = self.config, self.config.swiglu_limit or None

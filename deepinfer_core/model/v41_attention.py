@@ -12,6 +12,7 @@ spec names the format its values are rounded to, `stored_format`, so a layout ma
   compressed        PAGED entries, block_size / ratio per block, FP4-rounded          (KV sources)
   index_keys        PAGED indexer keys, one per compressed entry, FP4-rounded        (KV sources)
   compressor_state  SEQUENCE_STATE: kv | gate projections of a partial group (fp32)  (KV sources, ratio > 1)
+                    and of ROLLBACK_SLOTS tokens more (a verify step's rejected drafts)
 Shapes: T tokens in the step, H heads, Dh head_dim, Hi / Di index heads / dims, E entries finished in the step.
 """
 
@@ -75,10 +76,11 @@ class GroupCompressor:
         self.entry_spec = CacheSpec(
             CacheKind.PAGED, backend.dtype, 1, dh, compress_rate=ratio, stored_format=_stored(ENTRY_FORMAT, dh)
         )
-        self.state_spec = None
+        self.state_spec, self.rows = None, 1  # ratio 1: no state; the plan's table has one unused row each
         if ratio > 1:
             self.w_kv_gate = torch.cat([self.w_kv, self.w_gate]).float()  # projected in float32
-            self.state_spec = CacheSpec(CacheKind.SEQUENCE_STATE, torch.float32, state_shape=(ratio, 2 * dh))
+            self.rows = ratio + ROLLBACK_SLOTS
+            self.state_spec = CacheSpec(CacheKind.SEQUENCE_STATE, torch.float32, state_shape=(self.rows, 2 * dh))
         self.w_keys = w[f"{prefix}.indexer.wk.weight"]  # [Di, Dh]
         self.key_norm = w[f"{prefix}.indexer.k_norm.weight"]
         di = cfg.index_head_dim
@@ -88,7 +90,7 @@ class GroupCompressor:
 
     def _latents(self, x: torch.Tensor, step: V4Step, caches: dict) -> tuple[torch.Tensor, object]:
         """The normalised, unroped latents [E, Dh] of the entries this step finishes, and the plan."""
-        plan = step.compress_plan(self.ratio, False)
+        plan = step.compress_plan(self.ratio, False, self.rows)
         num_seqs = step.seq_slots.shape[0]
         if self.ratio == 1:  # the plan's table starts with one (unused) state row per sequence
             latents = self.ops.linear(x, self.w_kv)[plan.sources[:, 0] - num_seqs]
@@ -96,7 +98,7 @@ class GroupCompressor:
         dh = self.w_kv.shape[0]
         state = caches["compressor_state"]
         projected = self.ops.linear(x.float(), self.w_kv_gate)  # [T, 2 Dh]
-        states = self.layout.gather(state, self.state_spec, step.seq_slots)  # [B, ratio, 2 Dh]
+        states = self.layout.gather(state, self.state_spec, step.seq_slots)  # [B, rows, 2 Dh]
         latents = x.new_empty(0, dh)
         if plan.num_entries:
             rows = torch.cat([states.flatten(0, 1), projected])[plan.sources]  # [E, ratio, 2 Dh]

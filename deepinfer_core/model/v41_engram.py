@@ -27,6 +27,7 @@ from deepinfer_core.errors import DeepInferError
 from deepinfer_core.kv.layout import CacheKind, CacheSpec
 from deepinfer_core.model import engram_vocab
 from deepinfer_core.model.config_v41 import DeepseekV41Config
+from deepinfer_core.model.v4_attention import ROLLBACK_SLOTS
 from deepinfer_core.model.v4_step import V4Step
 
 __all__ = [
@@ -83,6 +84,7 @@ class NgramHasher:
         # a step writes its newest id where no shift of the same step reads, so running a decode step again
         # (a device graph's warm-up before capture) reads what the first run read
         self.span = self.lookback + 1
+        self.rows = self.span + ROLLBACK_SLOTS  # and the rows a verify step's rejected drafts may overwrite
         self.token_map = torch.tensor(token_map, dtype=torch.int64, device=device)
         self.pad_id = token_map[cfg.engram_pad_id]
         primes = cfg.engram_primes()  # [layers][order - 2][head]
@@ -94,47 +96,47 @@ class NgramHasher:
         )
         self.multipliers = torch.tensor(multipliers, dtype=torch.int64, device=device)  # [L, max_ngram_size]
         # compressed ids stored exactly in float32 (compressed vocabularies are far below 2**24)
-        self.state_spec = CacheSpec(CacheKind.SEQUENCE_STATE, torch.float32, state_shape=(self.span,))
+        self.state_spec = CacheSpec(CacheKind.SEQUENCE_STATE, torch.float32, state_shape=(self.rows,))
 
     def _lookback_sources(self, step: V4Step) -> tuple[torch.Tensor, torch.Tensor]:
-        """For each token row and shift s = 0 (the token itself) .. lookback, the row of [B x span state
+        """For each token row and shift s = 0 (the token itself) .. lookback, the row of [B x rows state
         entries, then the step's T tokens] holding the id at position - s (-1: none, before the sequence start
         or before the state was written: a prefix hit's replay, whose first tokens the replay length covers),
-        and the state writes (state entry, token row) that keep each sequence's last `span` ids."""
-        span, sources, writes = self.span, [], []
+        and the state writes (state entry, token row) that keep each sequence's last `rows` ids."""
+        span, rows, sources, writes = self.span, self.rows, [], []
         if step.decode:
             return self._decode_lookback_sources(step)
-        current = len(step._ends) * span
+        current = len(step._ends) * rows
         written = step.meta.window_starts.tolist()  # state entries of earlier positions are stale
         for b, row, first, end in step._sequences():
             since = max(0, written[b])
             for p in range(first, end):
                 for s in range(span):
                     q = p - s
-                    in_state = b * span + q % span if q >= since else -1
+                    in_state = b * rows + q % rows if q >= since else -1
                     sources.append(current + row + q - first if q >= first else in_state)
-            writes += [(b * span + p % span, row + p - first) for p in range(max(first, end - span), end)]
-        entries, rows = zip(*writes) if writes else ((), ())
+            writes += [(b * rows + p % rows, row + p - first) for p in range(max(first, end - rows), end)]
+        entries, tokens = zip(*writes) if writes else ((), ())
         device = step.device
         return (
             torch.tensor(sources, dtype=torch.int64, device=device).view(-1, span),
-            torch.tensor([entries, rows], dtype=torch.int64, device=device).view(2, -1),
+            torch.tensor([entries, tokens], dtype=torch.int64, device=device).view(2, -1),
         )
 
     def _decode_lookback_sources(self, step: V4Step) -> tuple[torch.Tensor, torch.Tensor]:
         """The same for a decode step (row b: sequence b's newest token), on the device."""
-        span, batch = self.span, step.meta.num_seqs
+        span, rows, batch = self.span, self.rows, step.meta.num_seqs
         b = torch.arange(batch, device=step.device)[:, None]
         p = step.positions.to(torch.int64)[:, None]
         q = p - torch.arange(span, device=step.device)  # [B, span]: shifts 0 .. lookback
         since = step.meta.window_starts[:, None].clamp_min(0)
-        sources = torch.where(q >= since, b * span + q % span, -1)
-        sources[:, 0] = batch * span + b[:, 0]
-        return sources, torch.cat([b * span + p % span, b], dim=1).T
+        sources = torch.where(q >= since, b * rows + q % rows, -1)
+        sources[:, 0] = batch * rows + b[:, 0]
+        return sources, torch.cat([b * rows + p % rows, b], dim=1).T
 
     def __call__(self, token_ids: torch.Tensor, step: V4Step, state: torch.Tensor) -> torch.Tensor:
         compressed = self.token_map[token_ids]  # [T]
-        history = self.layout.gather(state, self.state_spec, step.seq_slots).long()  # [B, span]
+        history = self.layout.gather(state, self.state_spec, step.seq_slots).long()  # [B, rows]
         sources, (entries, rows) = self._lookback_sources(step)
         table = torch.cat([history.flatten(), compressed, compressed.new_full((1,), _DEAD)])
         ids = table[sources]  # [T, span]; source -1 picks the trailing DEAD

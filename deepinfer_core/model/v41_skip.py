@@ -30,7 +30,8 @@ possibly none, possibly all); those below its `out` compute outputs nobody reads
   this only keeps stale entries out of every sum). In a later step F is no smaller and C the same, so in_l is
   no smaller: nothing needed reads below it there either. Each layer writes the ring entries of
   F - window + 1 .. the step's end at least (the last `window` positions when F is the last token); the
-  rollback slots before them may keep older entries (nothing decodes speculatively yet).
+  rollback slots before them may keep older entries, which no query reads (a verify step's positions all
+  need their outputs, so its layers skip none of them).
 """
 
 from __future__ import annotations

@@ -8,6 +8,7 @@ What each layer caches (names in `cache_specs`):
   window            SLIDING_WINDOW ring of the K = V entries (window + rollback slots)
   compressed        PAGED compressed entries, block_size / rate per block          (CSA, HCA)
   compressor_state  SEQUENCE_STATE: kv | gate projections of the last 1 (HCA) or 2 (CSA) windows' tokens
+                    and ROLLBACK_SLOTS more
   index_keys        PAGED indexer keys, one per compressed entry                     (CSA)
   index_state       SEQUENCE_STATE: the indexer compressor's projections              (CSA)
 Shapes: T tokens in the step, H heads, Dh head_dim, R rope dims, E entries completed in the step.
@@ -26,8 +27,9 @@ __all__ = ["V4Attention", "ROLLBACK_SLOTS"]
 
 Weights = dict[str, torch.Tensor]
 Rope = tuple[torch.Tensor, torch.Tensor]  # cos, sin [max_positions, R/2]
-# Ring slots past the window, kept so that speculative tokens can be rolled back (production V4.1
-# Flash: 6). The engine does not decode speculatively yet; the slots are reserved, not used.
+# Ring slots past the window, and state rows past a compressor's span (production V4.1 Flash: 6): a verify
+# step of up to this many drafted tokens writes the rejected ones where no later step reads, so nothing
+# has to be put back (speculative decoding).
 ROLLBACK_SLOTS = 6
 
 
@@ -64,12 +66,12 @@ class Compressor:
         self.norm = w[f"{prefix}.norm.weight"]
         self.width = self.ape.shape[1]
         self.entry_spec = CacheSpec(CacheKind.PAGED, backend.dtype, 1, head_dim, compress_rate=rate)
-        span = 2 * rate if overlap else rate
-        self.state_spec = CacheSpec(CacheKind.SEQUENCE_STATE, torch.float32, state_shape=(span, 2 * self.width))
+        self.rows = (2 * rate if overlap else rate) + ROLLBACK_SLOTS
+        self.state_spec = CacheSpec(CacheKind.SEQUENCE_STATE, torch.float32, state_shape=(self.rows, 2 * self.width))
 
     def __call__(self, x: torch.Tensor, step: V4Step, entries: torch.Tensor, state: torch.Tensor) -> None:
         """Write the entries of the windows this step finishes, and the projections later ones need."""
-        plan = step.compress_plan(self.rate, self.overlap)
+        plan = step.compress_plan(self.rate, self.overlap, self.rows)
         projected = self.ops.linear(x, self.w_kv_gate).float()  # [T, 2 * width]
         states = self.layout.gather(state, self.state_spec, step.seq_slots)  # [B, S, 2 * width]
         if plan.num_entries:

@@ -28,7 +28,8 @@ __all__ = ["CompressPlan", "V4Step"]
 @dataclass(frozen=True, slots=True)
 class CompressPlan:
     """For compressors of one rate. Sources index a table of [B * S state rows, then the step's T rows],
-    where sequence b's state row for position p is b * S + p % S (S = span)."""
+    where sequence b's state row for position p is b * S + p % S. S (`rows`) is the window's span plus spare
+    rows: a verify step's rejected drafts (at most S - span) then overwrite no row a later window reads."""
 
     num_entries: int
     sources: torch.Tensor  # [E, span] int64: the table row of each slot of each finished window
@@ -135,18 +136,20 @@ class V4Step:
     def _tensor(self, values, dtype=torch.int64) -> torch.Tensor:
         return torch.tensor(values, dtype=dtype, device=self.device)
 
-    def compress_plan(self, rate: int, overlap: bool) -> CompressPlan:
-        key = (rate, overlap)
+    def compress_plan(self, rate: int, overlap: bool, rows: int) -> CompressPlan:
+        """The plan of compressors of `rate` (`overlap`: CSA's windows of 2 x rate) keeping `rows` state rows
+        per sequence (at least the span)."""
+        key = (rate, overlap, rows)
         if key not in self._plans:
-            self._plans[key] = self._plan(rate, overlap)
+            self._plans[key] = self._plan(rate, overlap, rows)
         return self._plans[key]
 
-    def _plan(self, rate: int, overlap: bool) -> CompressPlan:
+    def _plan(self, rate: int, overlap: bool, rows: int) -> CompressPlan:
         if self.decode:
-            return self._decode_plan(rate, overlap)
+            return self._decode_plan(rate, overlap, rows)
         _, _, _, cached, tables = self._host
         span = 2 * rate if overlap else rate
-        current = len(self._ends) * span  # first table row of the step's tokens
+        current = len(self._ends) * rows  # first table row of the step's tokens
         per_block = self.block_size // rate
         sources, valid, positions, slots, state = [], [], [], [], []
         for b, row, first, end in self._sequences():
@@ -154,12 +157,12 @@ class V4Step:
             for w in range(max(first // rate, -(-cached[b] // rate)), end // rate):
                 tokens = range((w - 1) * rate if overlap else w * rate, (w + 1) * rate)
                 sources.append(
-                    [current + row + p - first if p >= first else b * span + p % span if p >= 0 else 0 for p in tokens]
+                    [current + row + p - first if p >= first else b * rows + p % rows if p >= 0 else 0 for p in tokens]
                 )
                 valid.append([p >= 0 for p in tokens])
                 positions.append(w * rate)
                 slots.append(tables[b][w // per_block] * per_block + w % per_block)
-            state += [(b, p % span, row + p - first) for p in range(max(first, end - span), end)]
+            state += [(b, p % rows, row + p - first) for p in range(max(first, end - rows), end)]
         state_seqs, state_rows, state_tokens = zip(*state) if state else ((), (), ())
         return CompressPlan(
             len(positions),
@@ -172,7 +175,7 @@ class V4Step:
             self._tensor(state_tokens),
         )
 
-    def _decode_plan(self, rate: int, overlap: bool) -> CompressPlan:
+    def _decode_plan(self, rate: int, overlap: bool, rows: int) -> CompressPlan:
         """The plan of a decode step, on the device: sequence b's token (row b, position p) updates the entry
         of its window w = p // rate, finished or not (see the module docstring), from the state rows of the
         window's earlier tokens and its own row; it is the newest token, so its state row is written."""
@@ -183,11 +186,11 @@ class V4Step:
         w = p // rate
         first = (w - 1) * rate if overlap else w * rate
         tokens = first[:, None] + torch.arange(span, device=self.device)  # [B, span] positions
-        sources = torch.where(tokens == p[:, None], batch * span + b[:, None], b[:, None] * span + tokens % span)
+        sources = torch.where(tokens == p[:, None], batch * rows + b[:, None], b[:, None] * rows + tokens % rows)
         valid = (tokens >= 0) & (tokens <= p[:, None])
         blocks = self.meta.block_tables.gather(1, (w // per_block)[:, None])[:, 0]
         return CompressPlan(
-            batch, torch.where(valid, sources, 0), valid, w * rate, blocks * per_block + w % per_block, b, p % span, b
+            batch, torch.where(valid, sources, 0), valid, w * rate, blocks * per_block + w % per_block, b, p % rows, b
         )
 
     def ring_writes(self, ring_size: int) -> tuple[torch.Tensor, torch.Tensor]:

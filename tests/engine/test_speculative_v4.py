@@ -1,7 +1,8 @@
-"""Speculative decoding of DeepSeek-V4 (the embedded demo model): rejected drafts are rolled back out of the
-compressor and indexer states (model/state_rollback.py), so output stays plain decoding's token for token even
-when most drafts are wrong; without the rollback it does not (the check can fail); too many drafts for the
-window rings' spare slots are refused."""
+"""Speculative decoding of DeepSeek-V4 (the embedded demo model) and V4.1 (tiny random checkpoints of both
+test schedules: ratio-2 and ratio-4 groups, the ratio-1 decoder, engram look-back): a verify step's rejected
+drafts land in the spare window-ring slots and state rows (v4_attention.ROLLBACK_SLOTS), so output stays plain
+decoding's token for token even when most drafts are wrong; without the spare rows it does not (the check can
+fail); more drafts than spare rows are refused."""
 
 from __future__ import annotations
 
@@ -9,7 +10,9 @@ import pytest
 
 from deepinfer_core.engine.llm import LLM
 from deepinfer_core.engine.speculative import SpeculativeError
+from deepinfer_core.model import v4_attention, v41_attention, v41_engram
 from deepinfer_core.sampling.params import SamplingParams
+from tests.model.v41_checkpoints import SCHEDULES, write_checkpoint
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny tensors: see tests/conftest.py
 
@@ -19,11 +22,19 @@ PARAMS = [
     SamplingParams(temperature=1.0, seed=4, max_tokens=40, ignore_eos=True),
     SamplingParams(temperature=0, max_tokens=40, ignore_eos=True),
 ]
+MODELS = ["v4-demo", *(f"v41-{name}" for name in sorted(SCHEDULES))]
+SPEC = {"method": "ngram", "num_speculative_tokens": 6}
+
+
+@pytest.fixture(scope="module")
+def v41_checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("v41-spec")
+    return {f"v41-{name}": write_checkpoint(root / name, s, seed=3) for name, s in SCHEDULES.items()}
 
 
 class HalfRightDrafts:
     """Drafts that follow the plain run's continuation for 0..3 tokens, then go wrong: most verify steps keep
-    a few drafts and reject the rest, the case the rollback is for."""
+    a few drafts and reject the rest, the case the spare rows are for."""
 
     def __init__(self, plain: dict[str, tuple[int, ...]]) -> None:
         self.plain = plain
@@ -34,33 +45,40 @@ class HalfRightDrafts:
         return (right + [7, 8, 9, 10, 11, 12])[:k]
 
 
-def _generate(accelerator: str, speculative=None, proposer=None):
-    llm = LLM(accelerator=accelerator, progress=False, speculative_config=speculative)
+def _llm(model: str, checkpoints: dict, accelerator: str, speculative=None) -> LLM:
+    if model == "v4-demo":
+        return LLM(accelerator=accelerator, progress=False, speculative_config=speculative)
+    return LLM(model=str(checkpoints[model]), accelerator=accelerator, dtype="float32", block_size=16,
+               num_kv_blocks=64, progress=False, speculative_config=speculative)  # fmt: skip
+
+
+def _generate(llm: LLM, proposer=None) -> dict[str, tuple[int, ...]]:
     if proposer is not None:
         llm.engine.scheduler.proposer = proposer
-    outputs = llm.generate(PROMPTS, PARAMS, use_tqdm=False)  # request ids "0", "1", "2"
-    return llm, {o.request_id: o.outputs[0].token_ids for o in outputs}
+    return {o.request_id: o.outputs[0].token_ids for o in llm.generate(PROMPTS, PARAMS, use_tqdm=False)}
 
 
 @pytest.mark.parametrize("accelerator", ["cpu", "rowwise_cpu"])
-def test_v4_output_is_the_plain_output_through_rejections(accelerator):
-    _, want = _generate(accelerator)
-    spec, got = _generate(accelerator, {"method": "ngram", "num_speculative_tokens": 6}, HalfRightDrafts(want))
+@pytest.mark.parametrize("model", MODELS)
+def test_output_is_the_plain_output_through_rejections(v41_checkpoints, model, accelerator):
+    want = _generate(_llm(model, v41_checkpoints, accelerator))
+    spec = _llm(model, v41_checkpoints, accelerator, SPEC)
+    got = _generate(spec, HalfRightDrafts(want))
     assert got == want
     stats = spec.engine.spec_stats
     assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens / 2  # mostly rejected, some kept
 
 
-def test_without_the_rollback_the_output_changes(monkeypatch):
-    _, want = _generate("rowwise_cpu")
-    llm = LLM(accelerator="rowwise_cpu", progress=False, speculative_config={"method": "ngram",
-              "num_speculative_tokens": 6})  # fmt: skip
-    monkeypatch.setattr(llm.engine.model.speculative_rollback, "restore", lambda *args: None)
-    llm.engine.scheduler.proposer = HalfRightDrafts(want)
-    got = {o.request_id: o.outputs[0].token_ids for o in llm.generate(PROMPTS, PARAMS, use_tqdm=False)}
+@pytest.mark.parametrize("model", MODELS)
+def test_without_spare_rows_the_output_changes(v41_checkpoints, model, monkeypatch):
+    want = _generate(_llm(model, v41_checkpoints, "rowwise_cpu"))
+    for module in (v4_attention, v41_attention, v41_engram):  # rings and states sized without spare rows
+        monkeypatch.setattr(module, "ROLLBACK_SLOTS", 0)
+    got = _generate(_llm(model, v41_checkpoints, "rowwise_cpu", SPEC), HalfRightDrafts(want))
     assert got != want
 
 
-def test_more_drafts_than_the_rings_spare_slots_are_refused():
+@pytest.mark.parametrize("model", MODELS)
+def test_more_drafts_than_the_spare_rows_are_refused(v41_checkpoints, model):
     with pytest.raises(SpeculativeError, match="at most 6 drafted tokens"):
-        LLM(accelerator="cpu", progress=False, speculative_config={"method": "ngram", "num_speculative_tokens": 7})
+        _llm(model, v41_checkpoints, "cpu", {"method": "ngram", "num_speculative_tokens": 7})

@@ -32,7 +32,7 @@ def _same_plans(got: V4Step, want: V4Step) -> None:
     for ring in (4, 16):
         assert all(torch.equal(a, b) for a, b in zip(got.ring_writes(ring), want.ring_writes(ring)))
     for rate in (1, 2, 4):
-        mine, theirs = got.compress_plan(rate, False), want.compress_plan(rate, False)
+        mine, theirs = got.compress_plan(rate, False, rate + 3), want.compress_plan(rate, False, rate + 3)
         for field in mine.__slots__:
             a, b = getattr(mine, field), getattr(theirs, field)
             assert torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b, (rate, field)
@@ -95,7 +95,8 @@ def test_a_decode_step_is_planned_on_the_device_as_the_host_plans_the_windows_it
     for ring in (4, 16):
         assert all(torch.equal(a, b) for a, b in zip(device_step.ring_writes(ring), host_step.ring_writes(ring)))
     for rate, overlap in ((4, True), (4, False), (8, False), (1, False), (2, True)):
-        mine, theirs = device_step.compress_plan(rate, overlap), host_step.compress_plan(rate, overlap)
+        rows = (2 * rate if overlap else rate) + 3
+        mine, theirs = device_step.compress_plan(rate, overlap, rows), host_step.compress_plan(rate, overlap, rows)
         assert mine.num_entries == 4
         finished = ((torch.tensor([7, 12, 0, 35]) + 1) % rate == 0).nonzero()[:, 0]
         assert theirs.num_entries == len(finished), (rate, overlap)
@@ -118,7 +119,7 @@ def test_the_engram_look_back_of_a_decode_step_is_the_host_plans():
     from deepinfer_core.model.v41_engram import NgramHasher
 
     hasher = NgramHasher.__new__(NgramHasher)  # the plan needs only the look-back length
-    hasher.lookback, hasher.span = 3, 4
+    hasher.lookback, hasher.span, hasher.rows = 3, 4, 10
     metas = [_decode_meta(n) for n in (1, None)]
     for meta, _ in metas:
         meta.window_starts.copy_(torch.tensor([6, 0, 0, 34]))  # 6 and 34: shifts past them are stale
