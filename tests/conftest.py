@@ -194,3 +194,11 @@ def hf_v4_checkpoint(tmp_path_factory):
     helper = _helper("deepinfer_tests_hf_v4_checkpoints", "hf_v4_checkpoints.py")
     root = tmp_path_factory.mktemp("hf-deepseek-v4")
     return lambda variant: helper.build_v4_checkpoint(variant, root)
+
+
+@pytest.fixture(scope="session")
+def hf_v4_mtp_checkpoint(tmp_path_factory):
+    """MtpCheckpoint(path, hf_model, mtp) of a tiny DeepSeek-V4 with one MTP layer (hf_v4_checkpoints.py)."""
+    pytest.importorskip("transformers")
+    helper = _helper("deepinfer_tests_hf_v4_checkpoints", "hf_v4_checkpoints.py")
+    return helper.build_v4_mtp_checkpoint(tmp_path_factory.mktemp("hf-deepseek-v4-mtp"))

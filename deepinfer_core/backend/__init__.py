@@ -1,10 +1,18 @@
 """The backend contract, discovery and selection: everything a backend author imports is here."""
 
-from deepinfer_core.backend._steps import CostModel, GraphCapture, LinearCostModel
+from deepinfer_core.backend._steps import (
+    CostModel,
+    GraphCapture,
+    LinearCostModel,
+    StepCostTable,
+    StepTimer,
+    WallClockStepTimer,
+)
 from deepinfer_core.backend.extensions import LogitsProcessor, ModelRegistry, Observer, RequestEvent, StepStats
 from deepinfer_core.backend.hookspecs import API_VERSION, REQUIRED_BACKEND_HOOKS, BackendSpec, PluginSpec, hookimpl
 from deepinfer_core.backend.ops import (
     BLOCK_FORMATS,
+    DSPARK_OPS,
     OP_NAMES,
     V4_OPS,
     V41_OPS,
@@ -28,6 +36,7 @@ __all__ = [
     "OP_NAMES",
     "V4_OPS",
     "V41_OPS",
+    "DSPARK_OPS",
     "REQUIRED_BACKEND_HOOKS",
     "AttentionMetadata",
     "AttentionOps",
@@ -47,10 +56,13 @@ __all__ = [
     "ProbeResult",
     "RequestEvent",
     "RoutingConfig",
+    "StepCostTable",
     "StepStats",
+    "StepTimer",
     "V4AttentionOps",
     "V4Ops",
     "V41AttentionOps",
     "V41Ops",
+    "WallClockStepTimer",
     "hookimpl",
 ]

@@ -16,6 +16,7 @@ __all__ = [
     "BLOCK_FORMATS",
     "block_length",
     "check_layer_fn",
+    "DSPARK_OPS",
     "V4_OPS",
     "V41_OPS",
     "V4AttentionOps",
@@ -46,6 +47,8 @@ V41_OPS = (
     "indexer_select",
     "expert_row_scales",  # op feature of expert_ffn: the routing weight applied before w2
 )
+# What DeepSeek-V4.1's DSpark draft layers add; a backend without it cannot draft with DSpark.
+DSPARK_OPS = ("block_attention",)
 
 
 def block_length(fmt: str, x: torch.Tensor) -> int:
@@ -288,5 +291,30 @@ class V41AttentionOps(Protocol):
         Ties: equal scores go to the LOWER entry number, and equal block scores to the lower block number
         (a stable sort, descending), so the choice never depends on how the prompt was chunked. The
         reference and every backend follow this (transformers' torch.topk breaks ties by its own rule).
+        """
+        ...
+
+    def block_attention(
+        self,
+        q: torch.Tensor,
+        kv: torch.Tensor,
+        ring: torch.Tensor,
+        ring_spec: CacheSpec,
+        meta: AttentionMetadata,
+        *,
+        sinks: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor:
+        """A draft block's attention (DSpark): each sequence's step rows are one block that attends to itself
+        in both directions and to the same window before it.
+
+        q [T, H, D]; kv [T, D] the block's entries (normalised, roped), never written to the ring; ring: the
+        SLIDING_WINDOW cache (entries [1, D]) of each sequence at `meta.seq_slots`. Sequence b's block is
+        its rows query_start_loc[b] .. query_start_loc[b + 1] at positions first .. seq_lens[b] - 1; every
+        one of its queries sees ring entries at positions max(first - window, window_starts[b], 0) .. first - 1
+        (at most ring_spec.window of them) and all of the block's entries. `meta.max_query_len` is at least
+        the longest block. logits = q.k * scale; a per-head sink logit `sinks` [H] joins the softmax and is
+        dropped after it. Returns [T, H, D] in q.dtype, accumulated in float32; rows past
+        query_start_loc[-1] (padding) hold any finite values.
         """
         ...

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from deepinfer_core.backend._steps import LinearCostModel
+from deepinfer_core.backend._steps import LinearCostModel, WallClockStepTimer
 from deepinfer_core.backend.hookspecs import hookimpl
 from deepinfer_core.backend.types import DeviceFacts
 from deepinfer_core.parallel.communicator import AllToAllCommunicator, InProcessCommunicator
@@ -24,3 +24,8 @@ def deepinfer_backend_communicator(device: DeviceFacts, world_size: int, rank: i
 @hookimpl(trylast=True)
 def deepinfer_backend_cost_model(device: DeviceFacts, dtype: torch.dtype):
     return LinearCostModel()
+
+
+@hookimpl(trylast=True)
+def deepinfer_backend_step_timer(device: DeviceFacts):
+    return WallClockStepTimer()

@@ -16,7 +16,7 @@ from __future__ import annotations
 import pluggy
 import torch
 
-from deepinfer_core.backend._steps import CostModel, GraphCapture
+from deepinfer_core.backend._steps import CostModel, GraphCapture, StepTimer
 from deepinfer_core.backend.extensions import LogitsProcessor, ModelRegistry, Observer
 from deepinfer_core.backend.ops import AttentionOps, Ops
 from deepinfer_core.backend.types import BackendInfo, Capabilities, DeviceFacts, ProbeResult
@@ -142,6 +142,15 @@ class BackendSpec:
 
         Optional; default: core's LinearCostModel with generic coefficients.
         Called: once at engine build.
+        """
+
+    @hookspec(firstresult=True)
+    def deepinfer_backend_step_timer(self, device: DeviceFacts) -> StepTimer:
+        """Return the timer the engine measures whole steps on the device with (adaptive speculative
+        verification profiles verify steps at start-up and plans with the measured StepCostTable).
+
+        Optional; default: core's WallClockStepTimer (host wall clock until the step's result is read back);
+        a backend may time with device events instead. Called: once at engine build.
         """
 
 

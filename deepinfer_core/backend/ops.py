@@ -19,6 +19,7 @@ import torch
 
 from deepinfer_core.backend._deepseek_ops import (  # the DeepSeek-V4/V4.1-only ops, re-exported here
     BLOCK_FORMATS,
+    DSPARK_OPS,
     V4_OPS,
     V41_OPS,
     V4AttentionOps,
@@ -40,6 +41,7 @@ __all__ = [
     "Ops",
     "RoutingConfig",
     "OP_NAMES",
+    "DSPARK_OPS",
     "V4_OPS",
     "V41_OPS",
     "V4AttentionOps",
@@ -60,6 +62,7 @@ OP_NAMES = (
     "paged_attention",
     *V4_OPS,
     *V41_OPS,
+    *DSPARK_OPS,
 )
 
 

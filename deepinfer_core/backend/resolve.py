@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from deepinfer_core.backend._steps import CostModel, GraphCapture
+from deepinfer_core.backend._steps import CostModel, GraphCapture, StepTimer, WallClockStepTimer
 from deepinfer_core.backend.ops import AttentionOps, Ops
 from deepinfer_core.backend.registry import BackendEntry
 from deepinfer_core.backend.types import BackendInfo, Capabilities, DeviceFacts
@@ -36,6 +36,7 @@ class ResolvedBackend:
     cost_model: CostModel
     batch_invariant: bool = False  # ops and attention were built for batch-invariant mode
     graphs: GraphCapture | None = None  # device-graph capture of decode steps, where the backend has it
+    step_timer: StepTimer = WallClockStepTimer()  # times whole steps on the device (start-up profiling)
 
     @property
     def torch_device(self) -> torch.device:
@@ -127,6 +128,9 @@ def resolve_backend(
         ),
         batch_invariant=batch_invariant,
         graphs=_graph_capture(backend, device),
+        step_timer=_checked(
+            backend, "deepinfer_backend_step_timer", hook.deepinfer_backend_step_timer(device=device), StepTimer
+        ),
     )
 
 

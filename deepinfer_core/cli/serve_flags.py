@@ -124,7 +124,7 @@ def _engine_flags(parser: argparse.ArgumentParser) -> None:
         default=_default("speculative_config"),
         help='speculative decoding, vLLM\'s JSON: {"method": "ngram", "num_speculative_tokens": 4, '
         '"prompt_lookup_max": 4, "prompt_lookup_min": 1}; output as without it (coupled acceptance). '
-        "Implemented: method ngram, or mtp (a DeepSeek-V3 checkpoint's MTP layer drafts), verify fixed, "
+        "Implemented: method ngram, or mtp (a DeepSeek-V3 or V4 checkpoint's MTP layer drafts), verify fixed, "
         "acceptance coupled; models with paged caches only (DeepSeek V2/V3) (default: off)",
     )
 

@@ -44,6 +44,7 @@ from deepinfer_core.engine.speculative import (
     accepted_prefix,
     check_model,
 )
+from deepinfer_core.engine.step_costs import profile_verify_steps
 from deepinfer_core.engine.stops import find_stop, held_back
 from deepinfer_core.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from deepinfer_core.errors import DeepInferError
@@ -147,6 +148,11 @@ class Engine:
         self.snapshots = self.blocks.snapshots  # None: the model has no per-sequence caches, or no budget
         snapshots.log_start(self.blocks.replay_tokens if config.enable_prefix_caching else None)
         self.runner.snapshot_boundaries = self.snapshots is not None
+        step_costs = None
+        if spec is not None and spec.verify == "adaptive":  # it plans with verify steps' measured costs
+            step_costs = profile_verify_steps(
+                self.runner, backend.step_timer, self.blocks, config.scheduler, spec.num_speculative_tokens
+            )
         self.scheduler = Scheduler(
             config.scheduler,
             self.blocks,
@@ -155,6 +161,7 @@ class Engine:
             num_speculative_tokens=spec.num_speculative_tokens if spec else 0,
             lookahead=spec.lookahead if spec else 0,
             acceptance=AcceptanceEstimate(spec.num_speculative_tokens) if spec and spec.verify == "adaptive" else None,
+            step_costs=step_costs,
         )
         self.spec_stats = SpeculativeStats() if spec else None
         self.observers = list(observers)
@@ -313,8 +320,9 @@ class Engine:
                 self._logprobs.record_prompt(group, chunk)
         changed: dict[RequestGroup, dict[int, Delta]] = {}
         if results.drafts is not None:  # a draft model's drafts for each sampled request's next step
-            for request, drafts in zip(dict.fromkeys(step.sampled), results.drafts):
-                request.next_draft_token_ids = drafts
+            confidence = results.draft_confidence or [[]] * len(results.drafts)
+            for request, drafts, sure in zip(dict.fromkeys(step.sampled), results.drafts, confidence):
+                request.next_draft_token_ids, request.next_draft_confidence = drafts, sure
         row = 0
         while row < len(step.sampled):
             request = step.sampled[row]

@@ -48,6 +48,7 @@ class HostResults:
     ranks: list[int] | None  # the token's rank; None when no row asked for logprobs
     prompt_logprobs: list[HostPromptLogprobs]
     drafts: list[list[int]] | None = None  # a draft model's drafts for the next step, per sampled request
+    draft_confidence: list[list[float]] | None = None  # and its confidence in each (DSpark), if it gives one
 
 
 class LaunchedStep:
@@ -77,6 +78,8 @@ class LaunchedStep:
             tensors += [lp.logprobs, lp.ranks, lp.top_ids, lp.top_logprobs]
         if output.drafts is not None:
             tensors.append(output.drafts)
+        if output.draft_confidence is not None:
+            tensors.append(output.draft_confidence)
         self._host = HostCopy(tensors)
 
     def tokens(self) -> InFlightTokens | None:
@@ -95,5 +98,7 @@ class LaunchedStep:
             HostPromptLogprobs(chunk.request, chunk.first, *values[4 * i : 4 * i + 4])
             for i, chunk in enumerate(self.output.prompt_logprobs)
         ]
-        drafts = values[4 * len(prompt)] if self.output.drafts is not None else None
-        return HostResults(*tokens, ranks, prompt, drafts)
+        del values[: 4 * len(prompt)]
+        drafts = values.pop(0) if self.output.drafts is not None else None
+        confidence = values.pop(0) if self.output.draft_confidence is not None else None
+        return HostResults(*tokens, ranks, prompt, drafts, confidence)

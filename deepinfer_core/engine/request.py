@@ -64,6 +64,7 @@ class Request:
     pending_snapshot: object | None = None  # a snapshots.PendingSnapshot waiting for its block's hash
     draft_token_ids: list[int] = field(default_factory=list)  # drafted tokens the scheduled step verifies
     next_draft_token_ids: list[int] = field(default_factory=list)  # a draft model's, for the next step
+    next_draft_confidence: list[float] = field(default_factory=list)  # its P(accepted | those before), if given
 
     @property
     def num_tokens(self) -> int:

@@ -93,6 +93,7 @@ class StepOutput:
     ranks: torch.Tensor | None  # [S] rank of each sampled token; None when no row asked for logprobs
     prompt_logprobs: list[PromptLogprobs]
     drafts: torch.Tensor | None = None  # [R, k] a draft model's drafts for the next step, per sampled request
+    draft_confidence: torch.Tensor | None = None  # [R, k] float32 its P(accepted | those before), if it says
 
 
 class ModelRunner:
@@ -114,7 +115,7 @@ class ModelRunner:
         where the backend can capture them; the caches then get one scratch block (and sequence slot) for
         padding rows.
         Per-sequence caches get `num_seq_slots` slots (the scheduler's max_num_seqs).
-        drafter: a draft model (model/mtp.py) run after every step to draft `num_draft_tokens` tokens per
+        drafter: a draft model (model/mtp.py, mtp_v4.py) run after every step to draft `num_draft_tokens` tokens per
         sampled request; its caches follow the model's. Steps then run eagerly.
         rejection: a row that checks a draft keeps it by rejection sampling (sampling/rejection.py), not by
         equality with the token sampled there."""
@@ -252,19 +253,24 @@ class ModelRunner:
         return self._run_model(batch)[:2]
 
     def _run_model(self, batch: StepBatch) -> tuple[torch.Tensor, list[PromptLogprobs], torch.Tensor | None]:
-        """run_model's results and the final hidden states [T, D] (None when a device graph ran the step)."""
+        """run_model's results and what a drafter reads of the step (`target_forward`; without one the final
+        hidden states [T, D]), None when a device graph ran the step."""
         meta = batch.meta
         decode = meta.slot_mapping.shape[0] == meta.num_seqs == len(batch.sampled)  # one new token per sequence
         fits = self.graphs is not None and self.graphs.fits(meta.num_seqs, meta.block_tables.shape[1])
         if decode and fits and not batch.prompt_spans:
             logits = self.graphs.run(batch.token_ids, batch.positions, meta)  # [S, V], rows in batch order
             return self._processed_logits(logits, batch).float(), [], None
-        hidden = self.model.forward(batch.token_ids, batch.positions, meta, self.caches)  # [T, D]
+        if self.drafter is None:
+            hidden = drafted = self.model.forward(batch.token_ids, batch.positions, meta, self.caches)  # [T, D]
+        else:  # and what the drafter reads of each position
+            hidden, drafted = self.drafter.target_forward(self.model, batch.token_ids, batch.positions, meta,
+                                                          self.caches)  # fmt: skip
         prompt = [self._prompt_logprobs(hidden, span) for span in batch.prompt_spans]
         if not batch.sampled:
-            return hidden.new_empty((0, self.model.config.vocab_size), dtype=torch.float32), prompt, hidden
+            return hidden.new_empty((0, self.model.config.vocab_size), dtype=torch.float32), prompt, drafted
         logits = self.model.logits(hidden[batch.last_token_index])  # [S, V]
-        return self._processed_logits(logits, batch).float(), prompt, hidden
+        return self._processed_logits(logits, batch).float(), prompt, drafted
 
     def _prompt_logprobs(self, hidden: torch.Tensor, span: PromptSpan) -> PromptLogprobs:
         """Logprobs of a span's prompt tokens and their top `prompt_logprobs` alternatives, from hidden [T, D]."""
@@ -351,19 +357,23 @@ class ModelRunner:
             return StepOutput([], None, None, prompt_logprobs)
         tokens, ranks = self.sample(batch, logits, in_flight)
         drafts = self._draft(batch, hidden, tokens.token_ids) if self.drafter is not None else None
-        return StepOutput(batch.sampled, tokens, ranks, prompt_logprobs, drafts)
+        confidence = None
+        if isinstance(drafts, tuple):  # a drafter with a confidence head (DSpark)
+            drafts, confidence = drafts
+        return StepOutput(batch.sampled, tokens, ranks, prompt_logprobs, drafts, confidence)
 
     @torch.inference_mode()
-    def _draft(self, batch: StepBatch, hidden: torch.Tensor, sampled: torch.Tensor | None) -> torch.Tensor | None:
+    def _draft(self, batch: StepBatch, hidden: torch.Tensor, sampled: torch.Tensor | None):
         """Run the drafter over the step (its cache catches up) and draft from each sampled request's last
-        accepted position -> [R, k], or None when nothing was sampled."""
+        accepted position -> [R, k], or (that, confidences [R, k]) from a drafter with a confidence head, or
+        None when nothing was sampled."""
         from deepinfer_core.model.mtp import DraftInputs  # a model module: the runner needs it only here
 
         d = batch.drafting
         next_ids = d.next_ids.clone()
-        cache = self.caches[len(self.model.cache_specs)]["kv"]
+        caches = self.caches[len(self.model.cache_specs) :]  # the drafter's, after the model's
         if sampled is None:  # nothing sampled: catch up only
-            self.drafter.forward(next_ids, batch.positions, hidden, batch.meta, cache)
+            self.drafter.forward(next_ids, batch.positions, hidden, batch.meta, caches)
             return None
         next_ids[batch.last_token_index] = sampled  # a verify row's next token is the token it sampled
         # accepted drafts per request, on the device: leading rows whose sampled token is their draft
@@ -376,4 +386,4 @@ class ModelRunner:
             next_ids, batch.positions, hidden, batch.meta, batch.last_token_index, d.first_row, d.seq_index,
             accepted, d.position_limit, self.block_size,
         )  # fmt: skip
-        return self.drafter.draft(inputs, cache, self.num_draft_tokens)
+        return self.drafter.draft(inputs, caches, self.num_draft_tokens)

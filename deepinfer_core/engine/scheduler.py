@@ -18,6 +18,7 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from deepinfer_core.backend import StepCostTable
 from deepinfer_core.engine.block_manager import BlockManager
 from deepinfer_core.engine.cost import CostModel, largest_chunk
 from deepinfer_core.engine.limits import at_least_one
@@ -60,10 +61,13 @@ class Scheduler:
         num_speculative_tokens: int = 0,
         lookahead: int = 0,
         acceptance: AcceptanceEstimate | None = None,
+        step_costs: StepCostTable | None = None,
     ) -> None:
         """lookahead: KV slots a decode needs past its own and its drafts' (a draft model drafting further).
-        acceptance: adaptive verification; each step's drafts are cut to `plan_verification`'s choice."""
-        self.config, self.blocks, self.cost_model = config, blocks, cost_model
+        acceptance: adaptive verification; each step's drafts are cut to `plan_verification`'s choice.
+        step_costs: what a step takes by its tokens, measured (engine/step_costs.py); adaptive verification weighs
+        drafts by it, or by `cost_model` without one."""
+        self.config, self.blocks, self.cost_model, self.step_costs = config, blocks, cost_model, step_costs
         self.proposer, self.num_speculative_tokens, self.lookahead = proposer, num_speculative_tokens, lookahead
         self.acceptance = acceptance
         self.waiting: deque[Request] = deque()
@@ -99,7 +103,7 @@ class Scheduler:
         return self.proposer.propose_for(request, min(self.num_speculative_tokens, room, budget - 1))
 
     def _preempt(self, request: Request) -> None:
-        request.draft_token_ids, request.next_draft_token_ids = [], []
+        request.draft_token_ids, request.next_draft_token_ids, request.next_draft_confidence = [], [], []
         self.blocks.free(request)
         request.status = RequestStatus.WAITING
         request.num_computed_tokens = 0
@@ -158,10 +162,13 @@ class Scheduler:
         context = max(scheduled[i][0].num_tokens for i in decodes)
 
         def step_cost(tokens: int) -> float:
+            if self.step_costs is not None:
+                return self.step_costs.cost(tokens)
             return self.cost_model.cost(tokens, context)
 
-        survival = self.acceptance.survival()
-        take = plan_verification(offered, [survival] * len(decodes), step_cost, base)
+        estimate = self.acceptance.survival()  # from the acceptance counts so far, where no draft model says
+        survival = [draft_survival(scheduled[i][0]) or estimate for i in decodes]
+        take = plan_verification(offered, survival, step_cost, base)
         planned = list(scheduled)
         for i, keep in zip(decodes, take):
             request, count = scheduled[i]
@@ -177,3 +184,13 @@ class Scheduler:
             self.waiting.remove(request)
         self.blocks.free(request)
         request.status = RequestStatus.FINISHED
+
+
+def draft_survival(request: Request) -> list[float]:
+    """The probability that each of the request's drafts is accepted with all before it, from its draft
+    model's confidences (the conditional probabilities; DSpark's confidence head); [] without them."""
+    survival, alive = [], 1.0
+    for confidence in request.next_draft_confidence[: len(request.draft_token_ids)]:
+        alive *= confidence
+        survival.append(alive)
+    return survival

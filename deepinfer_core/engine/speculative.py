@@ -37,7 +37,6 @@ __all__ = [
 ]
 
 METHODS = ("ngram", "mtp", "dspark")
-IMPLEMENTED_METHODS = ("ngram", "mtp")
 VERIFY_MODES = ("fixed", "adaptive")
 ACCEPTANCE_MODES = ("coupled", "rejection")
 
@@ -78,11 +77,6 @@ class SpeculativeConfig:
                 f"speculative config: prompt_lookup_min ({self.prompt_lookup_min}) is above prompt_lookup_max "
                 f"({self.prompt_lookup_max})"
             )
-        not_yet = []
-        if self.method not in IMPLEMENTED_METHODS:
-            not_yet.append(f"method {self.method!r} (implemented: {', '.join(IMPLEMENTED_METHODS)})")
-        if not_yet:
-            raise SpeculativeError(f"speculative decoding does not implement {' nor '.join(not_yet)} yet")
 
     @classmethod
     def parse(cls, value: str | Mapping | SpeculativeConfig | None) -> SpeculativeConfig | None:

@@ -43,7 +43,7 @@ class PackedKVLayout:
 
     def write(self, cache: torch.Tensor, spec: CacheSpec, slots: torch.Tensor, values: torch.Tensor) -> None:
         if spec.stored_format:
-            cache[slots] = pack(values.reshape(values.shape[0], -1), spec.stored_format)
+            cache[slots] = pack(values.flatten(1), spec.stored_format)  # flatten: N may be 0
         else:
             cache[slots] = values.to(cache.dtype)
 

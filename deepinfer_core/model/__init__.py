@@ -17,8 +17,10 @@ from deepinfer_core.model.config_v41 import DeepseekV41Config
 from deepinfer_core.model.deepseek_v3 import FLOAT32_WEIGHTS, FP8_WEIGHTS, DeepseekV3Model, expected_weights
 from deepinfer_core.model.deepseek_v4 import FLOAT32_WEIGHTS_V4, DeepseekV4Model, expected_weights_v4
 from deepinfer_core.model.deepseek_v41 import FLOAT32_WEIGHTS_V41, DeepseekV41Model, expected_weights_v41, token_map_for
+from deepinfer_core.model.dspark import load_dspark
 from deepinfer_core.model.loader import CheckpointError, load_tensors, read_config
 from deepinfer_core.model.mtp import MTPDrafter, mtp_weight_shapes
+from deepinfer_core.model.mtp_v4 import MTPDrafterV4, mtp_layer_config, mtp_v4_spellings, mtp_v4_weight_shapes
 from deepinfer_core.model.v41_names import v41_spellings
 
 __all__ = ["load_deepseek", "load_deepseek_v4", "load_deepseek_v41", "load_drafter", "load_model", "model_registry"]
@@ -88,12 +90,22 @@ def load_model(path: Path, backend: ResolvedBackend, registry: ModelRegistry, pr
 
 def load_drafter(method: str, path: Path | None, model, backend: ResolvedBackend, progress: bool = True):
     """The draft model a speculative `method` needs, from the checkpoint at `path` (None: ngram needs none).
-    mtp: the MTP layer of a DeepSeek-V3 / V2-style checkpoint (model/mtp.py)."""
+    dspark: a DeepSeek-V4.1 checkpoint's DSpark layers (model/dspark.py).
+    mtp: the MTP layer of a DeepSeek-V3 / V2-style checkpoint (model/mtp.py) or of a DeepSeek-V4 one
+    (model/mtp_v4.py)."""
     if method == "ngram":
         return None
-    if not isinstance(model, DeepseekV3Model) or path is None:
+    if method == "dspark":
+        if not isinstance(model, DeepseekV41Model) or path is None:
+            raise CheckpointError(
+                f"speculative method 'dspark' drafts with a DeepSeek-V4.1 checkpoint's DSpark layers; "
+                f"{type(model).__name__} {'(the embedded demo model) ' if path is None else ''}has none: "
+                'use {"method": "mtp"} (V3, V4) or {"method": "ngram"}'
+            )
+        return load_dspark(path, read_config(path), model, backend, progress)
+    if not isinstance(model, (DeepseekV3Model, DeepseekV4Model)) or path is None:
         raise CheckpointError(
-            f"speculative method {method!r} drafts with a DeepSeek-V3 checkpoint's MTP layer; "
+            f"speculative method {method!r} drafts with a DeepSeek-V3 or V4 checkpoint's MTP layer; "
             f"{type(model).__name__} {'(the embedded demo model) ' if path is None else ''}has none here: "
             'use {"method": "ngram"}'
         )
@@ -105,6 +117,8 @@ def load_drafter(method: str, path: Path | None, model, backend: ResolvedBackend
             f"{path}/config.json has num_nextn_predict_layers = {layers}: the checkpoint has no MTP layer to "
             'draft with; use {"method": "ngram"}'
         )
+    if isinstance(model, DeepseekV4Model):
+        return _load_mtp_v4(path, raw, model, backend, progress)
     prefix = f"model.layers.{config.num_hidden_layers}."  # a decoder layer's tensors, as layer num_hidden_layers
     deeper = dataclasses.replace(config, num_hidden_layers=config.num_hidden_layers + 1)
     block = {name: shape for name, shape in expected_weights(deeper).items() if name.startswith(prefix)}
@@ -113,3 +127,19 @@ def load_drafter(method: str, path: Path | None, model, backend: ResolvedBackend
         path, raw, mtp_weight_shapes(config, block), backend.dtype, FLOAT32_WEIGHTS, progress, keep_fp8
     )
     return MTPDrafter(model, weights, backend)
+
+
+def _load_mtp_v4(path: Path, raw: dict[str, Any], model: DeepseekV4Model, backend: ResolvedBackend, progress: bool):
+    layer_config = mtp_layer_config(model.config, raw)
+    shapes = mtp_v4_weight_shapes(model.config, layer_config)
+    try:
+        weights = load_tensors(
+            path, raw, shapes, backend.dtype, FLOAT32_WEIGHTS_V4, progress, spellings=mtp_v4_spellings
+        )
+    except CheckpointError as err:
+        raise CheckpointError(
+            f"the MTP layer (mtp.0.*) that config.json's num_nextn_predict_layers promises: {err}. (transformers "
+            "drops DeepSeek-V4's mtp.* tensors on load, so a checkpoint it saved has none: use the checkpoint as "
+            'DeepSeek released it, or {"method": "ngram"})'
+        ) from None
+    return MTPDrafterV4(model, layer_config, weights, backend)

@@ -77,10 +77,23 @@ def _ffn_shapes(cfg: DeepseekV4Config, p: str, layer: int) -> dict[str, tuple[in
     return shapes
 
 
+def layer_weight_shapes(cfg: DeepseekV4Config, prefix: str, layer: int) -> dict[str, tuple[int, ...]]:
+    """The tensors of decoder layer `layer` of `cfg` (its attention and MoE kinds), named under `prefix`."""
+    d, n = cfg.hidden_size, cfg.hc_mult
+    mixes = (2 + n) * n
+    shapes = {f"{prefix}.attn_norm.weight": (d,), f"{prefix}.ffn_norm.weight": (d,)}
+    for block in ("attn", "ffn"):
+        shapes |= {
+            f"{prefix}.hc_{block}_fn": (mixes, n * d),
+            f"{prefix}.hc_{block}_base": (mixes,),
+            f"{prefix}.hc_{block}_scale": (3,),
+        }
+    return shapes | _attention_shapes(cfg, f"{prefix}.attn", layer) | _ffn_shapes(cfg, f"{prefix}.ffn", layer)
+
+
 def expected_weights_v4(cfg: DeepseekV4Config) -> dict[str, tuple[int, ...]]:
     """Every tensor the model reads, with the shape the config implies."""
     d, n = cfg.hidden_size, cfg.hc_mult
-    mixes = (2 + n) * n
     shapes = {
         "model.embed_tokens.weight": (cfg.vocab_size, d),
         "model.norm.weight": (d,),
@@ -91,16 +104,7 @@ def expected_weights_v4(cfg: DeepseekV4Config) -> dict[str, tuple[int, ...]]:
     if not cfg.tie_word_embeddings:
         shapes["head.weight"] = (cfg.vocab_size, d)
     for i in range(cfg.num_hidden_layers):
-        p = f"model.layers.{i}"
-        shapes |= {f"{p}.attn_norm.weight": (d,), f"{p}.ffn_norm.weight": (d,)}
-        for block in ("attn", "ffn"):
-            shapes |= {
-                f"{p}.hc_{block}_fn": (mixes, n * d),
-                f"{p}.hc_{block}_base": (mixes,),
-                f"{p}.hc_{block}_scale": (3,),
-            }
-        shapes |= _attention_shapes(cfg, f"{p}.attn", i)
-        shapes |= _ffn_shapes(cfg, f"{p}.ffn", i)
+        shapes |= layer_weight_shapes(cfg, f"model.layers.{i}", i)
     return shapes
 
 
@@ -124,6 +128,68 @@ def check_backend(cfg: DeepseekV4Config, backend: ResolvedBackend) -> None:
             )
 
 
+def rope_tables_v4(cfg: DeepseekV4Config, device: torch.device) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """The two rotary tables (cos, sin) on `device`: "main" (sliding layers), "compress" (compressed ones)."""
+    return {
+        name: tuple(t.to(device) for t in rotary_tables(rope, cfg.qk_rope_head_dim, cfg.max_position_embeddings))
+        for name, rope in (("main", cfg.rope_main), ("compress", cfg.rope_compress))
+    }
+
+
+def build_layer(backend: ResolvedBackend, cfg: DeepseekV4Config, w: dict, prefix: str, layer: int, ropes: dict):
+    """Decoder layer `layer` of `cfg` from the weights named under `prefix` -> (mixers (attn, ffn), norms
+    (attn, ffn), V4Attention, MoE), as `run_layer` reads it."""
+    mixers = [tuple(w[f"{prefix}.hc_{block}_{n}"] for n in ("fn", "scale", "base")) for block in ("attn", "ffn")]
+    return (
+        mixers,
+        (w[f"{prefix}.attn_norm.weight"], w[f"{prefix}.ffn_norm.weight"]),
+        V4Attention(backend, cfg, w, f"{prefix}.attn", layer, ropes),
+        _moe(backend, cfg, w, f"{prefix}.ffn", layer),
+    )
+
+
+def _moe(backend: ResolvedBackend, cfg: DeepseekV4Config, w: dict, p: str, layer: int) -> MoE:
+    limit = cfg.swiglu_limit
+
+    def mlp(prefix: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return w[f"{prefix}.w1.weight"], w[f"{prefix}.w3.weight"], w[f"{prefix}.w2.weight"]  # gate, up, down
+
+    experts = [mlp(f"{p}.experts.{e}") for e in range(cfg.n_routed_experts)]
+    shared = DenseMLP(backend, *mlp(f"{p}.shared_experts"), limit)
+    return MoE(
+        backend,
+        cfg.routing(layer),
+        w[f"{p}.gate.weight"],
+        w.get(f"{p}.gate.bias"),
+        experts,
+        shared,
+        limit=limit,
+        hash_table=w.get(f"{p}.gate.tid2eid"),
+    )
+
+
+def hc_mix(ops, cfg: DeepseekV4Config, streams: torch.Tensor, mixer: tuple):
+    """A hyper-connection mixer (fn, scale, base) applied to streams [T, N, D] -> (collapsed [T, D], post,
+    comb); post and comb are None for a head mixer (fn [N, N * D])."""
+    fn, scale, base = mixer
+    return ops.hc_pre(
+        streams, fn, scale, base, sinkhorn_iters=cfg.hc_sinkhorn_iters, eps=cfg.hc_eps, norm_eps=cfg.rms_norm_eps
+    )
+
+
+def run_layer(
+    ops, cfg: DeepseekV4Config, layer: tuple, streams: torch.Tensor, step: V4Step, cache: dict, token_ids: torch.Tensor
+) -> torch.Tensor:
+    """One decoder layer (`build_layer`'s) over streams [T, N, D] -> the new streams [T, N, D]: attention, then
+    MoE (hash-routed by token_ids [T] where it is), each a hyper-connected residual half-layer."""
+    (attn_mix, ffn_mix), (attn_norm, ffn_norm), attention, moe = layer
+    eps = cfg.rms_norm_eps
+    collapsed, post, comb = hc_mix(ops, cfg, streams, attn_mix)
+    streams = ops.hc_post(attention(ops.rms_norm(collapsed, attn_norm, eps), step, cache), streams, post, comb)
+    collapsed, post, comb = hc_mix(ops, cfg, streams, ffn_mix)
+    return ops.hc_post(moe(ops.rms_norm(collapsed, ffn_norm, eps), token_ids), streams, post, comb)
+
+
 class DeepseekV4Model:
     """Holds the weights on the backend's device and runs one step over a ragged batch."""
 
@@ -136,63 +202,21 @@ class DeepseekV4Model:
         self.config, self.backend, self.ops = config, backend, backend.ops
         self.block_size = backend.kv_layout.block_size
         self.replay_tokens = config.replay_tokens
-        ropes = {
-            name: tuple(
-                t.to(device) for t in rotary_tables(rope, config.qk_rope_head_dim, config.max_position_embeddings)
-            )
-            for name, rope in (("main", config.rope_main), ("compress", config.rope_compress))
-        }
+        ropes = rope_tables_v4(config, device)
         self.embed = w["model.embed_tokens.weight"]  # [V, D]
         self.norm = w["model.norm.weight"]
         self.lm_head = self.embed if config.tie_word_embeddings else w["head.weight"]
         self.head_mix = tuple(w[f"model.hc_head.hc_{n}"] for n in ("fn", "scale", "base"))
-        self.layers = []
-        for i in range(config.num_hidden_layers):
-            p = f"model.layers.{i}"
-            mixers = [tuple(w[f"{p}.hc_{block}_{n}"] for n in ("fn", "scale", "base")) for block in ("attn", "ffn")]
-            self.layers.append(
-                (
-                    mixers,
-                    (w[f"{p}.attn_norm.weight"], w[f"{p}.ffn_norm.weight"]),
-                    V4Attention(backend, config, w, f"{p}.attn", i, ropes),
-                    self._moe(backend, w, f"{p}.ffn", i),
-                )
-            )
+        self.layers = [
+            build_layer(backend, config, w, f"model.layers.{i}", i, ropes) for i in range(config.num_hidden_layers)
+        ]
         self.cache_specs = [attention.cache_specs for _, _, attention, _ in self.layers]
         # speculative decoding: rejected drafts land in the rings' and states' spare rows (v4_attention)
         self.speculative_max_drafts = ROLLBACK_SLOTS
 
-    def _moe(self, backend: ResolvedBackend, w: dict, p: str, layer: int) -> MoE:
-        cfg, limit = self.config, self.config.swiglu_limit
-
-        def mlp(prefix: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-            return w[f"{prefix}.w1.weight"], w[f"{prefix}.w3.weight"], w[f"{prefix}.w2.weight"]  # gate, up, down
-
-        experts = [mlp(f"{p}.experts.{e}") for e in range(cfg.n_routed_experts)]
-        shared = DenseMLP(backend, *mlp(f"{p}.shared_experts"), limit)
-        return MoE(
-            backend,
-            cfg.routing(layer),
-            w[f"{p}.gate.weight"],
-            w.get(f"{p}.gate.bias"),
-            experts,
-            shared,
-            limit=limit,
-            hash_table=w.get(f"{p}.gate.tid2eid"),
-        )
-
     @property
     def num_layers(self) -> int:
         return len(self.layers)
-
-    def _mix(
-        self, streams: torch.Tensor, mixer: tuple
-    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-        cfg = self.config
-        fn, scale, base = mixer
-        return self.ops.hc_pre(
-            streams, fn, scale, base, sinkhorn_iters=cfg.hc_sinkhorn_iters, eps=cfg.hc_eps, norm_eps=cfg.rms_norm_eps
-        )
 
     def forward(
         self,
@@ -202,17 +226,27 @@ class DeepseekV4Model:
         caches: list[dict[str, torch.Tensor]],
     ) -> torch.Tensor:
         """token_ids, positions [T] -> final hidden states [T, D]; reads and writes every layer's caches."""
-        ops, cfg, eps = self.ops, self.config, self.config.rms_norm_eps
+        return self.final_hidden(self.hidden_streams(token_ids, positions, meta, caches))
+
+    def hidden_streams(
+        self,
+        token_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        caches: list[dict[str, torch.Tensor]],
+    ) -> torch.Tensor:
+        """token_ids, positions [T] -> the last layer's residual streams [T, N, D] (before the head collapse);
+        reads and writes every layer's caches."""
         step = V4Step(meta, positions, self.block_size)
-        streams = self.embed[token_ids][:, None, :].expand(-1, cfg.hc_mult, -1).contiguous()  # [T, N, D]
-        for ((attn_mix, ffn_mix), (attn_norm, ffn_norm), attention, moe), cache in zip(self.layers, caches):
-            collapsed, post, comb = self._mix(streams, attn_mix)
-            out = attention(ops.rms_norm(collapsed, attn_norm, eps), step, cache)
-            streams = ops.hc_post(out, streams, post, comb)
-            collapsed, post, comb = self._mix(streams, ffn_mix)
-            streams = ops.hc_post(moe(ops.rms_norm(collapsed, ffn_norm, eps), token_ids), streams, post, comb)
-        collapsed, _, _ = self._mix(streams, self.head_mix)
-        return ops.rms_norm(collapsed, self.norm, eps)
+        streams = self.embed[token_ids][:, None, :].expand(-1, self.config.hc_mult, -1).contiguous()  # [T, N, D]
+        for layer, cache in zip(self.layers, caches):
+            streams = run_layer(self.ops, self.config, layer, streams, step, cache, token_ids)
+        return streams
+
+    def final_hidden(self, streams: torch.Tensor) -> torch.Tensor:
+        """The last layer's streams [T, N, D] -> final hidden states [T, D]: head collapse, final norm."""
+        collapsed, _, _ = hc_mix(self.ops, self.config, streams, self.head_mix)
+        return self.ops.rms_norm(collapsed, self.norm, self.config.rms_norm_eps)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, D] -> logits [N, V] float32."""

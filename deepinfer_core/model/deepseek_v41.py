@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from deepinfer_core.backend.ops import V4_OPS, V41_OPS, AttentionMetadata
+from deepinfer_core.backend.ops import V4_OPS, V41_OPS, AttentionMetadata, RoutingConfig
 from deepinfer_core.backend.resolve import ResolvedBackend
 from deepinfer_core.kv.layout import CacheKind
 from deepinfer_core.model import engram_vocab
@@ -26,7 +26,14 @@ from deepinfer_core.model.v41_attention import SharedIndices, V41Attention
 from deepinfer_core.model.v41_engram import ENGRAM_STATE, EngramLayer, EngramTables, NgramHasher
 from deepinfer_core.model.v41_skip import layer_starts
 
-__all__ = ["DeepseekV41Model", "FLOAT32_WEIGHTS_V41", "expected_weights_v41"]
+__all__ = [
+    "DeepseekV41Model",
+    "FLOAT32_WEIGHTS_V41",
+    "expected_weights_v41",
+    "moe_shapes",
+    "v41_moe",
+    "window_attention_shapes",
+]
 
 # Kept float32 whatever the compute dtype, as in the checkpoints: hyper-connection mixers, attention
 # sinks, routers and their biases.
@@ -34,9 +41,10 @@ FLOAT32_WEIGHTS_V41 = re.compile(r"(\.hc_\w+|\.attn_sink|\.ffn\.gate\.(weight|bi
 _DENSE_ENGRAM = "engram.embed.weight"
 
 
-def _attention_shapes(cfg: DeepseekV41Config, p: str, layer: int) -> dict[str, tuple[int, ...]]:
-    d, heads, dh, plan = cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim, cfg.layers[layer]
-    shapes = {
+def window_attention_shapes(cfg: DeepseekV41Config, p: str) -> dict[str, tuple[int, ...]]:
+    """A window-only attention layer's tensors (every layer has these)."""
+    d, heads, dh = cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim
+    return {
         f"{p}.wq_a.weight": (cfg.q_lora_rank, d),
         f"{p}.q_norm.weight": (cfg.q_lora_rank,),
         f"{p}.wq_b.weight": (heads * dh, cfg.q_lora_rank),
@@ -46,6 +54,11 @@ def _attention_shapes(cfg: DeepseekV41Config, p: str, layer: int) -> dict[str, t
         f"{p}.wo_b.weight": (d, cfg.o_groups * cfg.o_lora_rank),
         f"{p}.attn_sink": (heads,),
     }
+
+
+def _attention_shapes(cfg: DeepseekV41Config, p: str, layer: int) -> dict[str, tuple[int, ...]]:
+    d, dh, plan = cfg.hidden_size, cfg.head_dim, cfg.layers[layer]
+    shapes = window_attention_shapes(cfg, p)
     di = cfg.index_head_dim
     if plan.is_kv_source:
         shapes |= {f"{p}.compressor.wkv.weight": (dh, d), f"{p}.compressor.norm.weight": (dh,)}
@@ -59,9 +72,32 @@ def _attention_shapes(cfg: DeepseekV41Config, p: str, layer: int) -> dict[str, t
     return shapes
 
 
+def moe_shapes(cfg: DeepseekV41Config, p: str, experts: int) -> dict[str, tuple[int, ...]]:
+    """A MoE of `experts` routed experts and a shared one."""
+    d, inner = cfg.hidden_size, cfg.moe_intermediate_size
+    shapes = {f"{p}.gate.weight": (experts, d), f"{p}.gate.bias": (experts,)}
+    for expert in [f"experts.{e}" for e in range(experts)] + ["shared_experts"]:
+        shapes |= {f"{p}.{expert}.w1.weight": (inner, d), f"{p}.{expert}.w3.weight": (inner, d)}
+        shapes[f"{p}.{expert}.w2.weight"] = (d, inner)
+    return shapes
+
+
+def v41_moe(backend: ResolvedBackend, cfg: DeepseekV41Config, w: dict, p: str, routing: RoutingConfig) -> MoE:
+    """The MoE at `p` (routing.num_experts routed experts and a shared one), computed as the reference does."""
+    limit = cfg.swiglu_limit or None
+
+    def mlp(prefix: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return w[f"{prefix}.w1.weight"], w[f"{prefix}.w3.weight"], w[f"{prefix}.w2.weight"]  # gate, up, down
+
+    experts = [mlp(f"{p}.experts.{e}") for e in range(routing.num_experts)]
+    shared = DenseMLP(backend, *mlp(f"{p}.shared_experts"), limit, float_activation=True)  # as the reference
+    gate = w[f"{p}.gate.weight"].float() / cfg.gate_temp  # logits at the router's temperature
+    return MoE(backend, routing, gate, w[f"{p}.gate.bias"], experts, shared, limit=limit, weight_before_down=True)
+
+
 def expected_weights_v41(cfg: DeepseekV41Config) -> dict[str, tuple[int, ...]]:
     """Every tensor the model reads, with the shape the config implies."""
-    d, n, inner = cfg.hidden_size, cfg.hc_mult, cfg.moe_intermediate_size
+    d, n = cfg.hidden_size, cfg.hc_mult
     mixes = (2 + n) * n
     shapes = {"model.embed.weight": (cfg.vocab_size, d), "model.norm.weight": (d,)}
     if not cfg.tie_word_embeddings:
@@ -74,10 +110,7 @@ def expected_weights_v41(cfg: DeepseekV41Config) -> dict[str, tuple[int, ...]]:
             hc = f"{p}.hc_{site}"
             shapes |= {f"{hc}_fn": (mixes, n * d), f"{hc}_base": (mixes,), f"{hc}_scale": (3,)}
         shapes |= _attention_shapes(cfg, f"{p}.attn", i)
-        shapes |= {f"{p}.ffn.gate.weight": (cfg.n_routed_experts, d), f"{p}.ffn.gate.bias": (cfg.n_routed_experts,)}
-        for expert in [f"experts.{e}" for e in range(cfg.n_routed_experts)] + ["shared_experts"]:
-            shapes |= {f"{p}.ffn.{expert}.w1.weight": (inner, d), f"{p}.ffn.{expert}.w3.weight": (inner, d)}
-            shapes[f"{p}.ffn.{expert}.w2.weight"] = (d, inner)
+        shapes |= moe_shapes(cfg, f"{p}.ffn", cfg.n_routed_experts)
         if cfg.layers[i].engram:
             k = list(cfg.engram_layer_ids).index(i)
             shapes |= {
@@ -158,25 +191,17 @@ class DeepseekV41Model:
             if plan.engram:
                 engram = EngramLayer(backend, config, w, f"{p}.engram", list(config.engram_layer_ids).index(i))
             norms = (w[f"{p}.attn_norm.weight"], w[f"{p}.ffn_norm.weight"])
-            self.layers.append((mixers, norms, attention, self._moe(backend, w, f"{p}.ffn"), engram))
+            ffn = v41_moe(backend, config, w, f"{p}.ffn", config.routing)
+            self.layers.append((mixers, norms, attention, ffn, engram))
         self.cache_specs = [dict(attention.cache_specs) for _, _, attention, _, _ in self.layers]
         if self.hasher is not None:  # the look-back lives with the first engram layer's caches
             self.cache_specs[config.engram_layer_ids[0]][ENGRAM_STATE] = self.hasher.state_spec
         # speculative decoding: rejected drafts land in the rings' and states' spare rows (v4_attention)
         self.speculative_max_drafts = ROLLBACK_SLOTS
-
-    def _moe(self, backend: ResolvedBackend, w: dict, p: str) -> MoE:
-        cfg, limit = self.config, self.config.swiglu_limit or None
-
-        def mlp(prefix: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-            return w[f"{prefix}.w1.weight"], w[f"{prefix}.w3.weight"], w[f"{prefix}.w2.weight"]  # gate, up, down
-
-        experts = [mlp(f"{p}.experts.{e}") for e in range(cfg.n_routed_experts)]
-        shared = DenseMLP(backend, *mlp(f"{p}.shared_experts"), limit, float_activation=True)  # as the reference
-        gate = w[f"{p}.gate.weight"].float() / cfg.gate_temp  # logits at the router's temperature
-        return MoE(
-            backend, cfg.routing, gate, w[f"{p}.gate.bias"], experts, shared, limit=limit, weight_before_down=True
-        )
+        # a draft model (DSpark) reads the mean of the streams entering these layers: forward leaves them in
+        # `taps` [T, len(tap_layers) x D], in that order (zeros for tokens a layer skipped)
+        self.tap_layers: tuple[int, ...] = ()
+        self.taps: torch.Tensor | None = None
 
     @property
     def num_layers(self) -> int:
@@ -217,6 +242,8 @@ class DeepseekV41Model:
         pre = torch.zeros(streams.shape[:2], dtype=torch.float32, device=streams.device)
         pre[:, 0] = 1.0
         shared = SharedIndices()
+        d = cfg.hidden_size
+        self.taps = streams.new_zeros(positions.shape[0], len(self.tap_layers) * d) if self.tap_layers else None
         for i, (mixers, (attn_norm, ffn_norm), attention, moe, engram) in enumerate(self.layers):
             if starts is not None:
                 step, keep = step.suffix(starts[i])
@@ -228,6 +255,10 @@ class DeepseekV41Model:
             if engram is not None:
                 table_rows = engram_rows[engram.index]
                 streams = engram(streams, table_rows if rows is None else table_rows[rows])
+            if i in self.tap_layers:  # the stream mean entering the layer (its engram's included)
+                k = self.tap_layers.index(i)
+                columns, mean = self.taps[:, k * d : (k + 1) * d], streams.mean(dim=1)  # [T, D], [T', D]
+                columns.copy_(mean) if rows is None else columns.index_copy_(0, rows, mean)
             attn_pre, post, comb = self._mixes(streams, mixers[0])
             x = ops.rms_norm(ops.hc_collapse(streams, pre), attn_norm, eps)
             group = caches[attention.plan.kv_source] if attention.plan.kv_source is not None else None

@@ -16,6 +16,7 @@ from deepinfer_core.model.config_v4 import CSA, HCA, SLIDING, DeepseekV4Config
 from deepinfer_core.model.config_v41 import DeepseekV41Config
 from deepinfer_core.model.deepseek_v4 import FLOAT32_WEIGHTS_V4, DeepseekV4Model, expected_weights_v4
 from deepinfer_core.model.deepseek_v41 import expected_weights_v41
+from deepinfer_core.model.dspark import dspark_weight_shapes
 
 __all__ = ["DEMO_CONFIG", "DEMO_NAME", "demo_model", "demo_weights_v41"]
 
@@ -82,7 +83,10 @@ def demo_weights_v41(config: DeepseekV41Config, seed: int) -> dict[str, torch.Te
     weights near 1, sinks, mixer bases and router biases N(0, 0.5), matrices with fan-in-normalised entries."""
     generator = torch.Generator().manual_seed(seed)
     weights = {}
-    for name, shape in expected_weights_v41(config).items():
+    shapes = expected_weights_v41(config)
+    if config.num_nextn_predict_layers:  # and the DSpark draft layers
+        shapes |= dspark_weight_shapes(config)
+    for name, shape in shapes.items():
         if name.endswith(("norm.weight", "_scale", "q_weight", "k_weight")):
             tensor = 1 + 0.1 * torch.randn(shape, generator=generator)
         elif name.endswith(("attn_sink", "_base", "gate.bias")):

@@ -1,4 +1,5 @@
-"""DeepSeek-V3's multi-token prediction (MTP) module as a drafter for speculative decoding.
+"""DeepSeek-V3's multi-token prediction (MTP) module as a drafter for speculative decoding, and what every MTP
+drafter shares (`ChainDrafter`: the catch-up and the chained drafts; DeepSeek-V4's layer is model/mtp_v4.py).
 
 The checkpoint's layer `num_hidden_layers` (V3: 61) is one more decoder block with its own inputs and head:
 at position p it reads the target model's final hidden state h_p (after the final norm) and the embedding of
@@ -29,7 +30,7 @@ from deepinfer_core.backend.resolve import ResolvedBackend
 from deepinfer_core.model.config import DeepseekConfig
 from deepinfer_core.model.layers import DenseMLP, MLAttention, MoE
 
-__all__ = ["DraftInputs", "MTPDrafter", "mtp_weight_shapes"]
+__all__ = ["ChainDrafter", "DraftInputs", "MTPDrafter", "mtp_weight_shapes"]
 
 
 def mtp_weight_shapes(cfg: DeepseekConfig, block_shapes: Mapping[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
@@ -46,7 +47,54 @@ def mtp_weight_shapes(cfg: DeepseekConfig, block_shapes: Mapping[str, tuple[int,
     }
 
 
-class MTPDrafter:
+class ChainDrafter:
+    """What an MTP drafter does each step, whatever its block: run it over the step's positions (`forward`),
+    then chain k drafts from each request's last accepted position. A subclass defines `forward(next_ids,
+    positions, hidden, meta, caches)` -> its output rows and `draft_tokens(out)` -> greedy drafts, and
+    `cache_specs` (its layers' caches, allocated after the model's: `caches` is that list)."""
+
+    def target_forward(self, model, token_ids, positions, meta, caches) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run the target model over a step -> (its final hidden states [T, D] for the logits, what this drafter
+        reads of each position: here the same hidden states)."""
+        hidden = model.forward(token_ids, positions, meta, caches)
+        return hidden, hidden
+
+    def draft(self, step: DraftInputs, caches: list[dict[str, torch.Tensor]], k: int) -> torch.Tensor:
+        """Catch up over the step's positions, then draft k tokens per sampled request -> [R, k] int64."""
+        out = self.forward(step.next_ids, step.positions, step.hidden, step.meta, caches)  # [T, ...]
+        # the last accepted row of each request: its first row plus its accepted drafts
+        last = step.last_token_index[step.first_row + step.accepted]  # [R] index in [T]
+        hidden, position = out[last], step.positions[last]  # [R, ...], [R]
+        drafts = [self.draft_tokens(hidden)]
+        for _ in range(k - 1):  # each further draft: one more position, the previous output as the hidden state
+            position = torch.minimum(position + 1, step.position_limit)
+            hidden = self.forward(drafts[-1], position, hidden, _one_position(step, position), caches)
+            drafts.append(self.draft_tokens(hidden))
+        return torch.stack(drafts, dim=1)
+
+
+def _one_position(step: DraftInputs, position: torch.Tensor) -> AttentionMetadata:
+    """The metadata of one token per sampled request, at `position` [R], in the sequences of `step`."""
+    meta, index, block = step.meta, step.seq_index, step.block_size
+    tables = meta.block_tables[index]  # [R, max_blocks]
+    rows = torch.arange(len(index), device=index.device)
+
+    def per_sequence(values: torch.Tensor | None) -> torch.Tensor | None:  # rings and states (V4), if any
+        return None if values is None else values[index]
+
+    return AttentionMetadata(
+        query_start_loc=torch.arange(len(index) + 1, device=index.device),
+        seq_lens=position + 1,
+        block_tables=tables,
+        slot_mapping=tables[rows, position // block] * block + position % block,
+        seq_slots=per_sequence(meta.seq_slots),
+        window_starts=per_sequence(meta.window_starts),
+        cached_lens=per_sequence(meta.cached_lens),
+        max_query_len=1,
+    )
+
+
+class MTPDrafter(ChainDrafter):
     """Drafts tokens with a DeepSeek-V3 checkpoint's MTP layer; its KV cache is one more paged "kv" layer."""
 
     def __init__(self, model, weights: Mapping[str, torch.Tensor], backend: ResolvedBackend) -> None:
@@ -74,7 +122,7 @@ class MTPDrafter:
         positions: torch.Tensor,
         hidden: torch.Tensor,
         meta: AttentionMetadata,
-        cache: torch.Tensor,
+        caches: list[dict[str, torch.Tensor]],
     ) -> torch.Tensor:
         """next_ids, positions [T], hidden [T, D] (the hidden state at each position) -> the block's output
         [T, D] (before shared_head's norm); writes the block's latents at meta.slot_mapping."""
@@ -82,35 +130,12 @@ class MTPDrafter:
         embedded = self.embed[next_ids] * (positions != 0)[:, None].to(hidden.dtype)  # position 0: zeroed
         x = ops.linear(torch.cat([ops.rms_norm(embedded, self.enorm, eps), ops.rms_norm(hidden, self.hnorm, eps)], -1),
                        self.eh_proj)  # fmt: skip
-        x = x + self.attention(ops.rms_norm(x, self.attn_norm, eps), positions, meta, cache, self.cache_spec)
+        x = x + self.attention(ops.rms_norm(x, self.attn_norm, eps), positions, meta, caches[0]["kv"], self.cache_spec)
         return x + self.mlp(ops.rms_norm(x, self.mlp_norm, eps))
 
     def draft_tokens(self, out: torch.Tensor) -> torch.Tensor:
         """The block's outputs [N, D] -> greedy drafts [N]."""
         return self.ops.linear(self.ops.rms_norm(out, self.head_norm, self.config.rms_norm_eps), self.head).argmax(-1)
-
-    def draft(self, step: DraftInputs, cache: torch.Tensor, k: int) -> torch.Tensor:
-        """Catch up over the step's positions, then draft k tokens per sampled request -> [R, k] int64."""
-        out = self.forward(step.next_ids, step.positions, step.hidden, step.meta, cache)  # [T, D]
-        # the last accepted row of each request: its first row plus its accepted drafts
-        last = step.last_token_index[step.first_row + step.accepted]  # [R] index in [T]
-        hidden, position = out[last], step.positions[last]  # [R, D], [R]
-        drafts = [self.draft_tokens(hidden)]
-        tables, block = step.meta.block_tables[step.seq_index], step.block_size  # [R, max_blocks]
-        rows = torch.arange(len(last), device=last.device)
-        for _ in range(k - 1):  # each further draft: one more position, the previous output as the hidden state
-            position = torch.minimum(position + 1, step.position_limit)
-            slots = tables[rows, position // block] * block + position % block
-            meta = AttentionMetadata(
-                query_start_loc=torch.arange(len(last) + 1, device=last.device),
-                seq_lens=position + 1,
-                block_tables=tables,
-                slot_mapping=slots,
-                max_query_len=1,
-            )
-            hidden = self.forward(drafts[-1], position, hidden, meta, cache)
-            drafts.append(self.draft_tokens(hidden))
-        return torch.stack(drafts, dim=1)
 
 
 class DraftInputs:
@@ -121,7 +146,7 @@ class DraftInputs:
         self,
         next_ids: torch.Tensor,  # [T] the token after each position
         positions: torch.Tensor,  # [T]
-        hidden: torch.Tensor,  # [T, D] the target's final hidden states
+        hidden: torch.Tensor,  # [T, ...] what the drafter reads of the target at each position (target_forward)
         meta: AttentionMetadata,
         last_token_index: torch.Tensor,  # [rows] index in [T] of each sampled row
         first_row: torch.Tensor,  # [R] each request's first row

@@ -186,16 +186,32 @@ class V41Attention:
         if plan.is_candidate_source:
             shared.blocks = blocks
 
+    def queries(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, D] (normalised) -> (q [T, H, Dh] roped, the query latent [T, q_lora])."""
+        ops, cfg = self.ops, self.cfg
+        q_latent = ops.rms_norm(ops.linear(x, self.wq_a), self.q_norm, self.eps)  # [T, q_lora]
+        q = ops.linear(q_latent, self.wq_b).view(x.shape[0], cfg.num_attention_heads, cfg.head_dim)
+        return rope_tail(ops, q, positions, *self.rope), q_latent  # no per-head norm in V4.1
+
+    def window_entries(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """x [T, D] -> the K = V window entries [T, 1, Dh]: normalised, roped, rounded as stored."""
+        kv = self.ops.rms_norm(self.ops.linear(x, self.wkv), self.kv_norm, self.eps)[:, None, :]
+        return _rounded(self.ops, rope_tail(self.ops, kv, positions, *self.rope), WINDOW_FORMAT)
+
+    def output(self, out: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Attention's result [T, H, Dh] -> the layer's output [T, D]: values unroped, grouped projections."""
+        tokens = out.shape[0]
+        out = rope_tail(self.ops, out, positions, *self.unrope)
+        grouped = self.ops.head_linear(out.reshape(tokens, self.cfg.o_groups, -1), self.wo_a)  # [T, G, o_lora]
+        return self.ops.linear(grouped.reshape(tokens, -1), self.wo_b)
+
     def __call__(
         self, x: torch.Tensor, step: V4Step, caches: dict, group_caches: dict | None, shared: SharedIndices
     ) -> torch.Tensor:
         """x [T, D] (normalised) -> [T, D]; reads and writes this layer's caches and its group's."""
-        ops, cfg, plan, tokens = self.ops, self.cfg, self.plan, x.shape[0]
-        q_latent = ops.rms_norm(ops.linear(x, self.wq_a), self.q_norm, self.eps)  # [T, q_lora]
-        q = ops.linear(q_latent, self.wq_b).view(tokens, cfg.num_attention_heads, cfg.head_dim)
-        q = rope_tail(ops, q, step.positions, *self.rope)  # [T, H, Dh]: no per-head norm in V4.1
-        kv = ops.rms_norm(ops.linear(x, self.wkv), self.kv_norm, self.eps)[:, None, :]
-        kv = _rounded(ops, rope_tail(ops, kv, step.positions, *self.rope), WINDOW_FORMAT)  # [T, 1, Dh]
+        cfg, plan = self.cfg, self.plan
+        q, q_latent = self.queries(x, step.positions)
+        kv = self.window_entries(x, step.positions)  # [T, 1, Dh]
         if plan.is_kv_source:
             self.compressor(x, step, caches)
         if plan.is_index_source:
@@ -215,6 +231,4 @@ class V41Attention:
         )  # [T, H, Dh]
         slots, rows = step.ring_writes(self.window_spec.ring_size)
         self.layout.write(caches["window"], self.window_spec, slots, kv[rows])
-        out = rope_tail(ops, out, step.positions, *self.unrope)
-        grouped = ops.head_linear(out.reshape(tokens, cfg.o_groups, -1), self.wo_a)  # [T, G, o_lora]
-        return ops.linear(grouped.reshape(tokens, -1), self.wo_b)
+        return self.output(out, step.positions)

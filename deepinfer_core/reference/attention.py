@@ -135,6 +135,33 @@ class ReferenceAttention:
             out[q_start:q_end] = torch.einsum("hqs,sd->qhd", probs, keys).to(q.dtype)
         return out
 
+    def block_attention(
+        self,
+        q: torch.Tensor,
+        kv: torch.Tensor,
+        ring: torch.Tensor,
+        ring_spec: CacheSpec,
+        meta: AttentionMetadata,
+        *,
+        sinks: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor:
+        out = torch.empty_like(q)
+        starts = meta.query_start_loc.tolist()
+        window_starts, seq_slots = meta.window_starts.tolist(), meta.seq_slots.tolist()
+        for b, seq_len in enumerate(meta.seq_lens.tolist()):
+            q_start, q_end = starts[b], starts[b + 1]
+            if q_end == q_start:
+                continue
+            first = seq_len - (q_end - q_start)  # the block's first position
+            since = max(first - ring_spec.window, window_starts[b], 0)
+            keys, _ = self._window(kv, ring, ring_spec, range(q_start, q_end), first, since, seq_slots[b])  # all seen
+            logits = torch.einsum("qhd,sd->hqs", q[q_start:q_end].float(), keys) * scale  # [H, Q, S]
+            sink = sinks.float()[:, None, None].expand(-1, q_end - q_start, 1)
+            probs = torch.cat([logits, sink], dim=-1).softmax(dim=-1)[..., :-1]
+            out[q_start:q_end] = torch.einsum("hqs,sd->qhd", probs, keys).to(q.dtype)
+        return out
+
     def _index_scores(
         self,
         q: torch.Tensor,

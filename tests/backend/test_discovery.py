@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from deepinfer_core.backend import WallClockStepTimer
 from deepinfer_core.backend.registry import discover
 from deepinfer_core.backend.resolve import resolve_backend
 from deepinfer_core.backend.selection import select_backend
@@ -152,6 +153,7 @@ def test_resolve_calls_hooks_once_and_fills_optional_defaults(site):
     assert len(calls) == build_calls  # the op path never goes through pluggy
     assert resolved.kv_layout.block_size == 64  # the backend's own layout
     assert isinstance(resolved.sampler, TorchSampler) and isinstance(resolved.communicator, InProcessCommunicator)
+    assert isinstance(resolved.step_timer, WallClockStepTimer)
     with pytest.raises(BackendSelectionError, match="does not compute in bfloat16; it supports float32"):
         resolve_backend(fake, dtype=torch.bfloat16)
 

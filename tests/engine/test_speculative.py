@@ -9,6 +9,7 @@ import json
 import pytest
 import torch
 
+from deepinfer_core.backend import StepCostTable
 from deepinfer_core.engine.llm import LLM
 from deepinfer_core.engine.speculative import NgramProposer, SpeculativeConfig, SpeculativeError, accepted_prefix
 from deepinfer_core.sampling.params import SamplingParams
@@ -129,7 +130,6 @@ def test_accepted_prefix():
         ({"method": "ngram", "num_speculative_tokens": 0}, "integer of 1 or more"),
         ({"method": "ngram", "num_speculative_tokens": 2, "draft_model": "x"}, "unknown field(s) 'draft_model'"),
         ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 5}, "is above prompt_lookup_max"),
-        ({"method": "dspark", "num_speculative_tokens": 2}, "does not implement method 'dspark'"),
         ({"method": "ngram", "num_speculative_tokens": 2, "acceptance": "exact"}, "acceptance must be one of"),
     ],
 )
@@ -227,15 +227,22 @@ class StepCost:
     def cost(self, q_tokens: int, ctx_tokens: int) -> float:
         return float(q_tokens) ** self.power
 
+    def table(self) -> StepCostTable:
+        """The same cost as a table of verify steps' measured costs (what engine/step_costs.py profiles)."""
+        counts = (1, 2, 4, 8, 16, 32, 64)
+        return StepCostTable(counts, tuple(float(t) ** self.power for t in counts))
+
 
 @pytest.mark.parametrize("power, drafts_verified", [(0, "all"), (3, "none")])
 def test_adaptive_verification_follows_the_cost_and_keeps_the_output(tiny_checkpoint, power, drafts_verified):
+    """The planner weighs drafts by the verify steps' table (in place of the one profiled at start-up), not by the
+    backend's cost model, which here says the opposite (and sizes prefill chunks: the same in every run)."""
     params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
-    cost = StepCost(power)  # it sizes prefill chunks too: the same in every run
+    table, opposite = StepCost(power).table(), StepCost(3 - power)
 
     def run(speculative):
         llm = _llm(tiny_checkpoint, "rowwise_cpu", speculative)
-        llm.engine.scheduler.cost_model = cost
+        llm.engine.scheduler.cost_model, llm.engine.scheduler.step_costs = opposite, table
         return llm, llm.generate([LOOP, LOOP[3:]], params, use_tqdm=False)
 
     want = run(None)[1]

@@ -71,8 +71,8 @@ def test_the_check_fails_for_a_drafter_that_skips_its_catch_up(mtp_checkpoint, m
     llm = _llm(mtp_checkpoint)
     drafter, real = llm.engine.runner.drafter, llm.engine.runner.drafter.draft
 
-    def without_catch_up(step, cache, k):
-        return real(step, cache.clone(), k)  # the catch-up writes a copy: the real cache never sees it
+    def without_catch_up(step, caches, k):  # the catch-up writes copies: the real caches never see it
+        return real(step, [{name: cache.clone() for name, cache in layer.items()} for layer in caches], k)
 
     monkeypatch.setattr(drafter, "draft", without_catch_up)
     trace = _trace(llm, LOOP[:23], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))

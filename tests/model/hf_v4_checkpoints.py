@@ -4,10 +4,13 @@
 parameters transformers initialises to zero (attention sinks, compressor position biases, hyper-
 connection biases, the hash-routing table, router biases) with random values so that every path is
 exercised, saves it with `save_pretrained` under `root/variant` and returns it with the float32 HF model.
+`build_v4_mtp_checkpoint(root)` does the same for a model with one more layer, then stores that layer as
+the checkpoint's MTP block (`mtp.0.*`, DeepSeek's spelling) beside random MTP inputs and head.
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -126,3 +129,72 @@ def build_v4_checkpoint(variant: str, root: Path) -> Checkpoint:
     if variant not in _built:
         _built[variant] = _build(variant, Path(root))
     return _built[variant]
+
+
+# the MTP variant: three layers and, as HF's fourth, the MTP block (sliding, top-k routed, as DeepSeek-V4's)
+MTP_LAYERS = dict(
+    num_hidden_layers=4,
+    layer_types=[SLIDING, CSA, HCA, SLIDING],
+    mlp_layer_types=["hash_moe", "moe", "moe", "moe"],
+    compress_rates={CSA: 4, HCA: 8},
+    sliding_window=8,
+    o_groups=2,
+    index_topk=64,
+    hc_mult=2,
+    hc_sinkhorn_iters=5,
+)
+MTP_SEED = 1357
+
+
+@dataclass(frozen=True)
+class MtpCheckpoint:
+    path: Path
+    hf_model: torch.nn.Module  # DeepseekV4ForCausalLM of num_hidden_layers + 1 layers, the last the MTP block
+    mtp: dict[str, torch.Tensor]  # the MTP layer's own inputs and head, by their name after "mtp.0."
+
+
+def _mtp_extras(hidden: int, streams: int, generator: torch.Generator) -> dict[str, torch.Tensor]:
+    def normal(*shape, std=1.0):
+        return std * torch.randn(shape, generator=generator)
+
+    return {
+        "enorm.weight": 1 + normal(hidden, std=0.1),
+        "hnorm.weight": 1 + normal(hidden, std=0.1),
+        "norm.weight": 1 + normal(hidden, std=0.1),
+        "e_proj.weight": normal(hidden, hidden, std=hidden**-0.5),
+        "h_proj.weight": normal(hidden, hidden, std=hidden**-0.5),
+        "hc_head_fn": normal(streams, streams * hidden, std=0.1),
+        "hc_head_base": normal(streams, std=0.5),
+        "hc_head_scale": 1 + normal(1, std=0.1),
+    }
+
+
+def build_v4_mtp_checkpoint(root: Path) -> MtpCheckpoint:
+    """A tiny DeepSeek-V4 checkpoint with one MTP layer (num_nextn_predict_layers 1), built on first use."""
+    if "mtp" in _built:
+        return _built["mtp"]
+    from safetensors.torch import load_file, save_file
+    from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
+
+    torch.manual_seed(MTP_SEED)
+    config = DeepseekV4Config(**BASE, **MTP_LAYERS)
+    model = DeepseekV4ForCausalLM(config).to(torch.float32).eval()
+    generator = torch.Generator().manual_seed(MTP_SEED)
+    _fill_zero_initialised_(model, generator, config.n_routed_experts, config.num_experts_per_tok)
+    path = Path(root) / "deepseek-v4-tiny-mtp"
+    model.save_pretrained(path)
+    assert not (path / "model.safetensors.index.json").exists()  # one file: rewritten below
+    layers = config.num_hidden_layers - 1  # the model's; the last HF layer is the MTP block
+    block = f"model.layers.{layers}."
+    tensors = {}
+    for name, tensor in load_file(path / "model.safetensors").items():
+        if name.startswith(block):  # DeepSeek's spelling: mtp.0.*, the attention's KV norm attn.kv_norm
+            name = "mtp.0." + name.removeprefix(block).replace("attn.norm.weight", "attn.kv_norm.weight")
+        tensors[name] = tensor
+    mtp = _mtp_extras(config.hidden_size, config.hc_mult, generator)
+    save_file(tensors | {f"mtp.0.{name}": t for name, t in mtp.items()}, str(path / "model.safetensors"))
+    raw = json.loads((path / "config.json").read_text())
+    raw.update(num_hidden_layers=layers, num_nextn_predict_layers=1)  # layer_types keep the MTP's entry
+    (path / "config.json").write_text(json.dumps(raw, indent=2))
+    _built["mtp"] = MtpCheckpoint(path, model, mtp)
+    return _built["mtp"]

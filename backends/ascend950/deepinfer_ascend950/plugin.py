@@ -17,6 +17,7 @@ import os
 
 from deepinfer_core.backend import (
     API_VERSION,
+    DSPARK_OPS,
     V4_OPS,
     V41_OPS,
     BackendInfo,
@@ -72,6 +73,7 @@ def deepinfer_backend_capabilities():
             ("sequence_state", "per-sequence state caches are not implemented on this backend yet"),
             *((op, _V4_NOT_YET) for op in V4_OPS),
             *((op, _V41_REASONS.get(op, _V41_NOT_YET)) for op in V41_OPS),
+            *((op, "DeepSeek-V4.1's DSpark draft layers are not implemented on this backend yet") for op in DSPARK_OPS),
         ),
     )
 

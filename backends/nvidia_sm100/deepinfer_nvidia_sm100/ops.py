@@ -11,7 +11,8 @@ So is the lightning indexer, V4's indexer_topk and V4.1's indexer_select (kernel
 then the top-k by torch ops on the device, no host reads). V4.1's other ops are kernels as well: hc_mixes,
 hc_collapse and hc_expand (kernels.hyper, hc_pre's kernels with V4.1's roundings), round_to_format
 (kernels.rounding, bitwise the reference's), engram_gate (kernels.engram), and the op feature
-expert_row_scales (`expert_ffn(row_scales=)`), fused into the grouped expert GEMM's epilogue.
+expert_row_scales (`expert_ffn(row_scales=)`), fused into the grouped expert GEMM's epilogue. V4.1's DSpark
+draft attention, block_attention, is torch ops on the device (kernels.block_attention, no host reads).
 
 Imported only after the backend is selected (it imports triton).
 """
@@ -26,6 +27,7 @@ from deepinfer_core.kv.formats import BlockFormat
 from deepinfer_core.kv.layout import CacheSpec, KVLayout
 from deepinfer_nvidia_sm100.kernels import (
     attention,
+    block_attention,
     elementwise,
     engram,
     gemm,
@@ -175,12 +177,13 @@ class NvidiaOps:
 
 
 class NvidiaAttention:
-    """Implements AttentionOps, V4AttentionOps and V41AttentionOps by Triton kernels over the row-per-slot
-    caches of a layout with one row per slot (`KVLayout.slot_is_row`: `PackedKVLayout`'s paged, compressed paged
-    and sliding-window rings, DeepSeek-V4.1's KV in FP8 / FP4 among them), with no host reads.
+    """Implements AttentionOps, V4AttentionOps and V41AttentionOps by Triton kernels (block_attention by torch ops)
+    over the row-per-slot caches of a layout with one row per slot (`KVLayout.slot_is_row`: `PackedKVLayout`'s
+    paged, compressed paged and sliding-window rings, DeepSeek-V4.1's KV in FP8 / FP4 among them), with no host
+    reads.
 
-    sparse_attention, indexer_topk and indexer_select read q and caches of one float32 / bfloat16 / float16
-    dtype, or caches packed in their spec's stored_format, one cached head; anything else is refused with a
+    sparse_attention, block_attention, indexer_topk and indexer_select read q and caches of one float32 / bfloat16 /
+    float16 dtype, or caches packed in their spec's stored_format, one cached head; anything else is refused with a
     ValueError that says what was passed (nothing falls back to the reference's PyTorch code).
     """
 
@@ -191,6 +194,7 @@ class NvidiaAttention:
         # differently on a GPU, so the batch-invariant mode decides by the caches' specs alone (decoded in the
         # kernels), never by the step's shapes
         self.stage = False if batch_invariant else None
+        self.batch_invariant = batch_invariant
 
     def paged_attention(self, q, cache, spec, meta, *, scale: float, value_dim: int, value_offset: int = 0):
         return attention.paged_attention(
@@ -219,6 +223,23 @@ class NvidiaAttention:
             q, kv, ring, ring_spec, meta, self.block_size, sinks=sinks, scale=scale,
             compressed=compressed, compressed_spec=compressed_spec, indices=indices, stage=self.stage,
         )  # fmt: skip
+
+    def block_attention(
+        self,
+        q: torch.Tensor,
+        kv: torch.Tensor,
+        ring: torch.Tensor,
+        ring_spec: CacheSpec,
+        meta: AttentionMetadata,
+        *,
+        sinks: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor:
+        """kernels.block_attention: the ring read through the layout (a packed one decoded as it reads it)."""
+        self._check_reads("block_attention", q, [("kv", kv, None), ("ring", ring, ring_spec)])
+        return block_attention.block_attention(
+            q, kv, ring, ring_spec, self.layout, meta, sinks=sinks, scale=scale, fixed_tiles=self.batch_invariant
+        )
 
     def _check_reads(self, op: str, q: torch.Tensor, tensors: list) -> None:
         """Raise ValueError unless the kernels read q and `tensors` [(name, tensor, its CacheSpec or None)]."""

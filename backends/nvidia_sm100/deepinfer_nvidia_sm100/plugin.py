@@ -51,7 +51,8 @@ def deepinfer_backend_capabilities():
         weight_formats=("fp8_block",),  # DeepSeek's FP8 weights stay FP8 in memory (half the bytes to read)
         # V4_OPS and V41_OPS are all Triton kernels: V4.1's hyper-connection, rounding and engram ops are
         # kernels.hyper, kernels.rounding and kernels.engram, expert_row_scales is fused into the grouped expert
-        # GEMM (kernels.moe), indexer_topk / indexer_select are kernels.indexer
+        # GEMM (kernels.moe), indexer_topk / indexer_select are kernels.indexer; DSPARK_OPS' block_attention is torch
+        # ops on the device (kernels.block_attention)
     )
 
 
@@ -131,6 +132,13 @@ def deepinfer_backend_graph_capture(device):
     from deepinfer_nvidia_sm100.graphs import CudaGraphCapture
 
     return CudaGraphCapture(torch.device(device.torch_device))
+
+
+@hookimpl
+def deepinfer_backend_step_timer(device):
+    from deepinfer_nvidia_sm100.timing import CudaEventStepTimer
+
+    return CudaEventStepTimer(torch.device(device.torch_device))
 
 
 @hookimpl

@@ -116,12 +116,14 @@ class Step:
         self.layout.write(cache, spec, torch.arange(slots).to(self.device), poison.to(self.device))
         return cache
 
-    def ring(self, spec: CacheSpec, window_entries) -> torch.Tensor:
+    def ring(self, spec: CacheSpec, window_entries, reach: int | None = None) -> torch.Tensor:
         """The SLIDING_WINDOW ring holding, of each sequence, only the earlier positions some query of the
-        step may see: max(window_start, first - (window - 1)) .. first - 1."""
+        step may see: max(window_start, first - reach, 0) .. first - 1, where `reach` is window - 1 (a
+        sparse_attention query's) unless given (a DSpark block sees window)."""
+        reach = spec.window - 1 if reach is None else reach
         cache = self._filled(spec, self.num_slots, self.num_slots * spec.ring_size, self.seed + 2)
         for b, first, (_, _, start) in self._firsts():
-            positions = torch.arange(max(start, first - (spec.window - 1)), first)
+            positions = torch.arange(max(start, first - reach, 0), first)
             slots = ring_slots(int(self.seq_slots[b]), positions, spec.ring_size)
             values = window_entries[b][positions][:, None, :]
             self.layout.write(cache, spec, slots.to(self.device), values.to(self.device))

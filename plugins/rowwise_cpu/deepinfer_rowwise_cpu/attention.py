@@ -195,6 +195,37 @@ class OnlineSoftmaxAttention:
                 out[t] = state.result()
         return out
 
+    def block_attention(
+        self,
+        q: torch.Tensor,
+        kv: torch.Tensor,
+        ring: torch.Tensor,
+        ring_spec: CacheSpec,
+        meta: AttentionMetadata,
+        *,
+        sinks: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor:
+        if ring_spec.kind is not CacheKind.SLIDING_WINDOW:
+            raise ValueError(f"block_attention's window is a SLIDING_WINDOW cache, not {ring_spec.kind.value}")
+        out = torch.empty_like(q)  # [T, H, D]
+        sink = sinks.float().view(1, -1, 1)  # [1, H, 1]
+        starts = meta.query_start_loc.tolist()
+        for b, seq_len in enumerate(meta.seq_lens.tolist()):
+            q_start, q_end = starts[b], starts[b + 1]
+            if q_end == q_start:
+                continue
+            first = seq_len - (q_end - q_start)  # the block's first position
+            low = max(first - ring_spec.window, int(meta.window_starts[b]), 0)
+            window = self.layout.ring(ring, int(meta.seq_slots[b]))[0]  # [ring_size, D]
+            keys = self._window_keys(window, ring_spec, kv, q_start, first, low, seq_len - 1)  # [1, n, D]
+            for t in range(q_start, q_end):  # every query of the block sees the same keys
+                state = _OnlineSoftmax(1, q.shape[1], q.shape[2], q.device)
+                state.add(torch.bmm(fresh_row(q[t]).unsqueeze(0), keys.transpose(1, 2)) * scale, keys)
+                state.add_sink(sink)
+                out[t] = state.result()
+        return out
+
     def _window_keys(
         self,
         window: torch.Tensor,

@@ -1,6 +1,7 @@
 """On a GPU only (skipped elsewhere; CI has none): speculative decoding on nvidia_sm100 (ngram and MTP drafts,
 verify steps through the prefill kernels) gives the tokens of plain decoding on the same GPU, on the tiny
-DeepSeek-V3 with an MTP layer in float32 (where a near-tie between two tokens is unlikely to flip)."""
+DeepSeek-V3 with an MTP layer, a tiny V4 with one and a tiny V4.1 with DSpark layers, in float32 (where a near-tie
+between two tokens is unlikely to flip)."""
 
 from __future__ import annotations
 
@@ -31,3 +32,26 @@ def test_speculative_tokens_are_plain_decodings_on_the_gpu(mtp_checkpoint, metho
                     else {"method": method, "num_speculative_tokens": 3})  # fmt: skip
     assert got == want
     assert spec.engine.spec_stats.num_draft_tokens > 0
+
+
+@pytest.mark.parametrize("verify", ["fixed", "adaptive"])
+def test_dspark_and_v4_mtp_tokens_are_plain_decodings_on_the_gpu(tmp_path, hf_v4_mtp_checkpoint, verify):
+    """DeepSeek-V4.1 with its DSpark layers (block_attention on the GPU, drafts and confidences) and DeepSeek-V4
+    with its MTP layer: the tokens of plain decoding, greedy and seeded, fixed and adaptive verification."""
+    from tests.engine.test_speculative_dspark import DSPARK
+    from tests.model.v41_checkpoints import write_checkpoint
+
+    v41 = write_checkpoint(tmp_path / "v41", DSPARK, seed=5)
+    for checkpoint, method in ((v41, "dspark"), (hf_v4_mtp_checkpoint.path, "mtp")):
+
+        def run(speculative, checkpoint=checkpoint):
+            llm = LLM(model=str(checkpoint), accelerator="nvidia", dtype="float32", block_size=16, progress=False,
+                      num_kv_blocks=64, speculative_config=speculative)  # fmt: skip
+            params = [SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
+                      SamplingParams(temperature=0.8, seed=5, max_tokens=24, ignore_eos=True)]  # fmt: skip
+            return llm, [o.outputs[0].token_ids for o in llm.generate([LOOP, LOOP[2:]], params, use_tqdm=False)]
+
+        _, want = run(None)
+        spec, got = run({"method": method, "num_speculative_tokens": 4, "verify": verify})
+        assert got == want, method
+        assert spec.engine.spec_stats.num_draft_tokens > 0, method

@@ -177,7 +177,7 @@ def _pack_kernel(
 def pack_rows(values: torch.Tensor, fmt: str, cache: torch.Tensor, slots: torch.Tensor) -> None:
     """values [N, ..., L] -> packed into cache rows `slots` [N] of `cache` [rows, row bytes] uint8, as
     kv.formats.pack (bit for bit), in place."""
-    rows = values.reshape(values.shape[0], -1)
+    rows = values.flatten(1)  # not reshape(N, -1), which N = 0 makes ambiguous
     if slots.shape != (rows.shape[0],):
         raise ValueError(f"pack_rows: {rows.shape[0]} rows of values for slots of shape {tuple(slots.shape)}")
     if rows.stride(-1) != 1:

@@ -1,0 +1,83 @@
+"""Start-up profiling for adaptive verification: what a verify step of t tokens takes on this device.
+
+Adaptive verification (engine/speculative.py `plan_verification`) admits draft slots while the tokens a step is
+expected to yield per second of its cost grow, so it needs a step's cost by its token count on this backend, not
+a generic formula. At engine build, `profile_verify_steps` runs dummy verify steps through the model runner (the
+real model, sampler, drafter and caches) at a handful of token counts up to the most a step of verifies can hold,
+times them with the backend's `StepTimer`, and returns the `StepCostTable` the scheduler plans with.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from deepinfer_core.backend import StepCostTable, StepTimer
+from deepinfer_core.engine.block_manager import BlockManager
+from deepinfer_core.engine.request import Request, RequestStatus
+from deepinfer_core.engine.runner import ModelRunner
+from deepinfer_core.engine.scheduler import SchedulerConfig
+from deepinfer_core.sampling.params import SamplingParams
+
+__all__ = ["MAX_PROFILED_TOKENS", "TIMED_RUNS", "profile_verify_steps", "profiled_token_counts", "dummy_verify_step"]
+
+log = logging.getLogger(__name__)
+
+MAX_PROFILED_TOKENS = 512  # past this the table is extrapolated: a step this large is rarely all verifies
+TIMED_RUNS = 2  # per token count, after one warm-up run: start-up stays short
+
+
+def profiled_token_counts(config: SchedulerConfig, num_speculative_tokens: int) -> list[int]:
+    """Token counts to time: powers of two, then the most a step of verifies holds (every sequence's token and
+    all its drafts, within the step's token budget and MAX_PROFILED_TOKENS)."""
+    top = min(config.max_num_seqs * (num_speculative_tokens + 1), config.max_num_batched_tokens, MAX_PROFILED_TOKENS)
+    counts = [1 << i for i in range(top.bit_length()) if 1 << i < top]
+    return counts + [top]
+
+
+def dummy_verify_step(tokens: int, max_num_seqs: int, block_size: int) -> list[tuple[Request, int]]:
+    """A dummy verify step of `tokens` tokens: min(tokens, max_num_seqs) sequences at the start of their
+    context, each verifying its one token and drafts (token id 0 throughout), the tokens spread evenly.
+
+    Every sequence's positions are in blocks 0, 1, ... (shared: they write the same entries, whose values are
+    never used) and sequence i is in per-sequence slot i."""
+    num_seqs = min(tokens, max_num_seqs)
+    step = []
+    for i in range(num_seqs):
+        count = tokens // num_seqs + (i < tokens % num_seqs)
+        request = Request(f"profile-{i}", None, [0], SamplingParams(), seed=i, arrival=-1)
+        request.status = RequestStatus.RUNNING
+        request.block_ids = list(range(-(-count // block_size)))
+        request.seq_slot = i
+        request.draft_token_ids = [0] * (count - 1)
+        step.append((request, count))
+    return step
+
+
+def profile_verify_steps(
+    runner: ModelRunner, timer: StepTimer, blocks: BlockManager, config: SchedulerConfig, num_speculative_tokens: int
+) -> StepCostTable:
+    """Time dummy verify steps at `profiled_token_counts` with `timer` on the runner's model and caches.
+
+    Called before the engine takes its first request. The steps write the paged caches' entries of positions
+    0..k of blocks 0, 1, ... and per-sequence slots 0..max_num_seqs-1, and read only what they wrote. Nothing
+    a real request reads is left behind: those blocks are free and hold no prefix-cache hash (the block manager
+    never saw these steps), so no prefix hit finds them, and a request that is later given one reads only the
+    entries it has written itself (a paged cache's entries past a sequence's length are never read: rejected
+    drafts rely on the same); a sequence slot's ring and state entries before a request's `window_start` are
+    stale by definition, as they are when a finished request hands its slot on."""
+    if blocks.num_used_blocks:
+        raise RuntimeError("verify steps are profiled before any request holds a KV block, not after")
+    needed = -(-(num_speculative_tokens + 1) // blocks.block_size)
+    if blocks.num_blocks < needed:
+        raise RuntimeError(
+            f"a verify step of {num_speculative_tokens} drafts needs {needed} KV blocks; the cache has "
+            f"{blocks.num_blocks}: give the engine more KV memory or draft fewer tokens"
+        )
+    counts = profiled_token_counts(config, num_speculative_tokens)
+    seconds = []
+    for tokens in counts:
+        step = dummy_verify_step(tokens, config.max_num_seqs, blocks.block_size)
+        seconds.append(timer.time(lambda step=step: runner.execute(step).tokens.token_ids, runs=TIMED_RUNS))
+    table = StepCostTable(tuple(counts), tuple(seconds))
+    log.info("verify step costs (profiled at start-up for adaptive verification): %r", table)
+    return table

@@ -1,0 +1,176 @@
+"""Verify steps' measured costs for adaptive verification: the StepCostTable contract type, core's default step
+timer, and the engine's start-up profiling (its steps' sizes, the table it gives the scheduler, and caches that
+still give plain decoding's output afterwards)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from deepinfer_core.backend import StepCostTable, StepTimer, WallClockStepTimer, _steps
+from deepinfer_core.engine.llm import LLM
+from deepinfer_core.engine.scheduler import SchedulerConfig
+from deepinfer_core.engine.step_costs import MAX_PROFILED_TOKENS, profiled_token_counts
+from deepinfer_core.sampling.params import SamplingParams
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny tensors: see tests/conftest.py
+
+LOOP = [5, 6, 7, 8, 9] * 6  # a prompt that repeats: prompt lookup drafts from it
+ADAPTIVE = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "verify": "adaptive"}
+
+
+# ---- StepCostTable -----------------------------------------------------------------------------------
+
+
+def test_the_table_interpolates_between_and_extrapolates_past_its_points():
+    table = StepCostTable((2, 4, 8), (1.0, 2.0, 2.5))
+    assert table.cost(1) == table.cost(2) == 1.0  # flat below the first point
+    assert table.cost(3) == pytest.approx(1.5)
+    assert table.cost(4) == 2.0
+    assert table.cost(6) == pytest.approx(2.25)
+    assert table.cost(16) == pytest.approx(3.5)  # along the last segment: 0.125 s a token
+    assert StepCostTable((4,), (2.0,)).cost(8) == pytest.approx(4.0)  # one point: proportional past it
+
+
+def test_the_table_never_falls_as_tokens_grow():
+    table = StepCostTable((1, 2, 4, 8, 16), (3.0, 2.0, 4.0, 3.5, 5.0))  # noisy measurements
+    assert table.seconds == (3.0, 3.0, 4.0, 4.0, 5.0)  # their running maximum
+    costs = [table.cost(t) for t in range(0, 40)]
+    assert costs == sorted(costs) and costs[-1] > costs[0]
+
+
+def test_the_table_logs_as_json_and_milliseconds():
+    table = StepCostTable((1, 8), (0.002, 0.004))
+    assert json.loads(table.to_json()) == {"tokens": [1, 8], "seconds": [0.002, 0.004]}
+    assert repr(table) == "StepCostTable(1: 2 ms, 8: 4 ms)"
+
+
+@pytest.mark.parametrize(
+    "tokens, seconds, message",
+    [
+        ((), (), "at least one"),
+        ((1, 2), (1.0,), "2 token counts and 1 times"),
+        ((2, 2), (1.0, 1.0), "strictly increasing"),
+        ((4, 2), (1.0, 1.0), "strictly increasing"),
+        ((0, 2), (1.0, 1.0), "of 1 or more"),
+        ((1.5, 2), (1.0, 1.0), "integers"),
+        ((1, 2), (1.0, -1.0), "finite seconds of 0 or more"),
+        ((1, 2), (1.0, math.nan), "finite seconds"),
+        ((1, 2), (1.0, math.inf), "finite seconds"),
+    ],
+)
+def test_a_bad_table_is_refused_saying_why(tokens, seconds, message):
+    with pytest.raises(ValueError, match=message):
+        StepCostTable(tokens, seconds)
+
+
+# ---- core's default step timer -----------------------------------------------------------------------
+
+
+def test_the_default_timer_runs_the_step_and_reads_its_result():
+    calls = []
+
+    def step() -> torch.Tensor:
+        calls.append(1)
+        return torch.ones(4)
+
+    timer = WallClockStepTimer()
+    assert isinstance(timer, StepTimer)
+    seconds = timer.time(step, runs=3)
+    assert seconds > 0 and len(calls) == 4  # one warm-up, three timed
+    with pytest.raises(ValueError, match="1 or more runs"):
+        timer.time(step, runs=0)
+
+
+def test_the_default_timer_takes_the_median_of_its_runs(monkeypatch):
+    ticks = iter([0.0, 5.0, 10.0, 11.0, 20.0, 23.0])  # runs of 5 s, 1 s and 3 s, read from a fake clock
+    monkeypatch.setattr(_steps, "perf_counter", lambda: next(ticks))
+    assert WallClockStepTimer().time(lambda: torch.zeros(1), runs=3) == 3.0
+
+
+def test_backends_without_a_timer_get_the_default(tiny_checkpoint):
+    llm = LLM(model=tiny_checkpoint, accelerator="cpu", block_size=16, progress=False)
+    assert isinstance(llm.backend.step_timer, WallClockStepTimer)
+
+
+# ---- start-up profiling ------------------------------------------------------------------------------
+
+
+def test_profiled_token_counts_reach_the_largest_step_of_verifies():
+    assert profiled_token_counts(SchedulerConfig(max_num_seqs=4), 3) == [1, 2, 4, 8, 16]
+    assert profiled_token_counts(SchedulerConfig(max_num_seqs=3), 2) == [1, 2, 4, 8, 9]
+    assert profiled_token_counts(SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=100), 3)[-1] == 100
+    assert profiled_token_counts(SchedulerConfig(max_num_seqs=256), 7)[-1] == MAX_PROFILED_TOKENS
+    assert profiled_token_counts(SchedulerConfig(max_num_seqs=1), 1) == [1, 2]
+
+
+class RecordingTimer:
+    """Runs each step once and reports (tokens sampled) ms: the table then says which steps ran."""
+
+    def __init__(self) -> None:
+        self.sampled: list[int] = []
+
+    def time(self, step, runs: int = 2) -> float:
+        rows = step().shape[0]  # a verify step samples at every position: one row per token
+        self.sampled.append(rows)
+        return rows * 1e-3
+
+
+def test_an_adaptive_engine_profiles_verify_steps_at_start_up(tiny_checkpoint, monkeypatch):
+    timer = RecordingTimer()
+    monkeypatch.setattr(WallClockStepTimer, "time", lambda self, step, runs=2: timer.time(step, runs))
+    llm = LLM(model=tiny_checkpoint, accelerator="cpu", block_size=16, progress=False, max_num_seqs=4,
+              speculative_config=ADAPTIVE)  # fmt: skip
+    counts = profiled_token_counts(llm.engine.config.scheduler, 3)
+    table = llm.engine.scheduler.step_costs
+    assert timer.sampled == counts  # each profiled step had as many tokens as its bucket says
+    assert table == StepCostTable(tuple(counts), tuple(c * 1e-3 for c in counts))
+    assert table.tokens[-1] == 4 * (3 + 1)  # every sequence verifying all its drafts
+    blocks = llm.engine.blocks
+    assert blocks.num_used_blocks == 0 and not blocks._cached and blocks.prefix_queries == 0  # nothing held
+    fixed = LLM(model=tiny_checkpoint, accelerator="cpu", block_size=16, progress=False, max_num_seqs=4,
+                speculative_config={**ADAPTIVE, "verify": "fixed"})  # fmt: skip
+    assert fixed.engine.scheduler.step_costs is None and len(timer.sampled) == len(counts)  # not profiled
+
+
+@pytest.mark.parametrize("accelerator", ["cpu", "rowwise_cpu"])
+def test_after_profiling_speculative_output_is_the_plain_output(tiny_checkpoint, accelerator):
+    """The profiled steps wrote the caches' first blocks and sequence slots; requests that then get them read
+    only what they wrote themselves. A flat table makes every draft verified, so the check does not depend on
+    what the profiled table says."""
+    greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    seeded = SamplingParams(temperature=0.8, top_k=20, seed=7, max_tokens=21, ignore_eos=True)
+    prompts, params = [LOOP, LOOP[3:], [3, 4] * 20 + [11]], [greedy, seeded, greedy]
+
+    def run(speculative):
+        llm = LLM(model=tiny_checkpoint, accelerator=accelerator, block_size=16, progress=False, max_num_seqs=4,
+                  speculative_config=speculative)  # fmt: skip
+        if speculative is not None:
+            assert llm.engine.scheduler.step_costs is not None  # profiled at start-up
+            llm.engine.scheduler.step_costs = StepCostTable((1, 64), (1.0, 1.0))
+        return llm, [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+
+    want = run(None)[1]
+    spec, got = run(ADAPTIVE)
+    assert got == want
+    assert spec.engine.spec_stats.num_accepted_tokens > 0
+
+
+def test_after_profiling_a_model_with_per_sequence_caches_keeps_its_output():
+    """DeepSeek-V4 (the embedded demo model): the profiled steps also wrote window rings and compressor states of
+    sequence slots 0..3, the slots the requests are then given."""
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    prompts = [list(range(30, 40)) * 4, list(range(200, 208)) * 5]  # repeats: prompt lookup drafts from them
+
+    def run(speculative):
+        llm = LLM(accelerator="cpu", progress=False, max_num_seqs=4, speculative_config=speculative)
+        if speculative is not None:
+            llm.engine.scheduler.step_costs = StepCostTable((1, 64), (1.0, 1.0))
+        return llm, [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+
+    spec, got = run({"method": "ngram", "num_speculative_tokens": 3, "verify": "adaptive"})
+    assert got == run(None)[1]
+    assert spec.engine.spec_stats.num_draft_tokens > 0
