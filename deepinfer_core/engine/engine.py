@@ -142,7 +142,7 @@ class Engine:
             block_size,
             config.enable_prefix_caching,
             num_seq_slots=config.scheduler.max_num_seqs,
-            replay_tokens=prefix_replay_tokens(config.prefix_replay, getattr(model, "replay_tokens", 0)),
+            replay_tokens=prefix_replay_tokens(config.prefix_replay, _replay_tokens(model, drafter)),
             snapshots=snapshots,
         )
         self.snapshots = self.blocks.snapshots  # None: the model has no per-sequence caches, or no budget
@@ -437,3 +437,10 @@ class Engine:
                 observer.on_step(stats)
             except Exception:
                 log.exception("observer %r failed on a step", observer)
+
+
+def _replay_tokens(model, drafter) -> int:
+    """Tokens a prefix hit replays to rebuild the model's per-sequence caches exactly (0: none to rebuild),
+    and a drafter's on top of them (an MTP layer's window, over the model's hidden states)."""
+    exact = getattr(model, "replay_tokens", 0)
+    return exact + getattr(drafter, "replay_tokens", 0) if exact else 0

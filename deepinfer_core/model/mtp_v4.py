@@ -113,6 +113,9 @@ class MTPDrafterV4(ChainDrafter):
         self.head_mix = tuple(w[f"{p}.hc_head_{n}"] for n in ("fn", "scale", "base"))
         self.layer = build_layer(backend, layer_config, w, p, 0, rope_tables_v4(cfg, device))
         self.cache_specs = [self.layer[2].cache_specs]
+        # a prefix hit's replay must also rebuild this layer's window, from exact hidden states: one more
+        # layer's reach than the model's own replay
+        self.replay_tokens = layer_config.sliding_window - 1
 
     def target_forward(self, model, token_ids, positions, meta, caches) -> tuple[torch.Tensor, torch.Tensor]:
         """The target's final hidden states [T, D] and its last layer's streams [T, N, D], which this reads."""

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from deepinfer_core.engine.llm import LLM
+from deepinfer_core.kv.layout import ring_slots
 from deepinfer_core.model.loader import CheckpointError
 from deepinfer_core.sampling.params import SamplingParams
 
@@ -202,6 +203,39 @@ def test_the_check_fails_for_a_drafter_that_skips_its_catch_up(hf_v4_mtp_checkpo
     drafter.draft = without_catch_up
     seen = _drafts_per_step(path, llm, PROMPTS[:1])
     assert any(drafts != _expected_drafts(hf_v4_mtp_checkpoint, tokens, 3) for tokens, drafts in seen)
+
+
+def _drafter_window_after(llm: LLM, prompts: list[list[int]]) -> torch.Tensor:
+    """Run `prompts` in turn (all but the last to their first token), then the last one's prefill: the
+    drafter's window entries [W, D] of that prefill's last W positions."""
+    for prompt in prompts[:-1]:
+        llm.generate([prompt], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
+    engine, prompt = llm.engine, prompts[-1]
+    engine.add_request("last", prompt, SamplingParams(temperature=0, max_tokens=4))
+    request = engine._requests["last"].samples[0]
+    engine.step()
+    spec = engine.runner.drafter.cache_specs[0]["window"]
+    ring = engine.runner.caches[len(engine.model.cache_specs)]["window"]
+    positions = torch.arange(len(prompt) - spec.window, len(prompt))
+    entries = engine.backend.kv_layout.gather(ring, spec, ring_slots(request.seq_slot, positions, spec.ring_size))
+    return entries, request.num_cached_tokens
+
+
+def test_a_prefix_hit_rebuilds_the_drafters_window(hf_v4_mtp_checkpoint):
+    """A hit replays enough tokens to rebuild the drafter's window from exact hidden states too (one more
+    layer's reach than the model's own replay): its entries are those of a run without the hit. With only
+    the model's replay they are not (the control)."""
+    path = hf_v4_mtp_checkpoint.path
+    shared = [(7 * i) % 90 + 3 for i in range(64)]  # 4 blocks
+    first, second = shared + [50, 51, 52], shared + [60, 61, 62, 63]
+    want, _ = _drafter_window_after(_llm(path, enable_prefix_caching=False), [second])
+    got, cached = _drafter_window_after(_llm(path), [first, second])
+    assert cached == 64, "no prefix hit"
+    torch.testing.assert_close(got, want)
+    short = _llm(path)
+    short.engine.blocks.replay_tokens -= short.engine.runner.drafter.replay_tokens
+    got, _ = _drafter_window_after(short, [first, second])
+    assert not torch.allclose(got, want, rtol=1e-4, atol=1e-5)
 
 
 # ---- errors -----------------------------------------------------------------------------------------------------
