@@ -42,18 +42,18 @@ def test_v41_per_sequence_caches(report):
     assert bf16["window"]["bytes"] == 40 * (128 + 6) * 512 * 2 == 5488640
     assert packed["window"]["bytes"] == 40 * 134 * (512 + 16)  # FP8 + an e8m0 byte per 32
     assert bf16["compressor_state"]["layers"] == [2, 8, 14]  # ratio 1 pools nothing: no state
-    assert bf16["compressor_state"]["bytes"] == 3 * 2 * (2 * 512) * 4  # fp32 kv | gate of 2 tokens
+    assert bf16["compressor_state"]["bytes"] == 3 * (2 + 6) * (2 * 512) * 4  # fp32 kv | gate of 2 tokens + 6 spare
     assert bf16["engram_history"] == packed["engram_history"] | {"storage": "float32"}
-    assert bf16["engram_history"]["layers"] == [1] and bf16["engram_history"]["bytes"] == 4 * 4
+    assert bf16["engram_history"]["layers"] == [1] and bf16["engram_history"]["bytes"] == (4 + 6) * 4  # ids, 6 spare
 
 
 def test_sequence_totals(report):
     v41 = report["models"]["v41"]["sequences"]["1048576"]["bf16"]
-    assert v41["total"] == 5488640 + 24576 + 16 + 1048576 * (2560 + 640)
+    assert v41["total"] == 5488640 + 98304 + (4 + 6) * 4 + 1048576 * (2560 + 640)
     flash = report["models"]["v4_flash"]["caches"]["bf16"]
     assert flash["compressed"]["bytes"] == (21 * 512 // 4 + 20 * 512 // 128) * 2 == 5536
     assert flash["index_keys"]["bytes"] == 21 * 128 // 4 * 2
-    assert flash["compressor_state"]["bytes"] == 21 * 8 * 2048 * 4 + 20 * 128 * 1024 * 4
+    assert flash["compressor_state"]["bytes"] == 21 * (8 + 6) * 2048 * 4 + 20 * (128 + 6) * 1024 * 4
     flash_total = report["models"]["v4_flash"]["sequences"]["131072"]["bf16"]["total"]
     assert flash_total > 2 * report["models"]["v41"]["sequences"]["131072"]["bf16"]["total"]
 
