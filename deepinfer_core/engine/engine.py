@@ -148,9 +148,9 @@ class Engine:
         self.snapshots = self.blocks.snapshots  # None: the model has no per-sequence caches, or no budget
         snapshots.log_start(self.blocks.replay_tokens if config.enable_prefix_caching else None)
         self.runner.snapshot_boundaries = self.snapshots is not None
-        step_costs = None
-        if spec is not None and spec.verify == "adaptive":  # it plans with verify steps' measured costs
-            step_costs = profile_verify_steps(
+        decode_costs = step_costs = None
+        if spec is not None and spec.verify == "adaptive":  # it plans with steps' measured costs
+            decode_costs, step_costs = profile_verify_steps(
                 self.runner, backend.step_timer, self.blocks, config.scheduler, spec.num_speculative_tokens
             )
         self.scheduler = Scheduler(
@@ -162,6 +162,7 @@ class Engine:
             lookahead=spec.lookahead if spec else 0,
             acceptance=AcceptanceEstimate(spec.num_speculative_tokens) if spec and spec.verify == "adaptive" else None,
             step_costs=step_costs,
+            decode_costs=decode_costs,
         )
         self.spec_stats = SpeculativeStats() if spec else None
         self.observers = list(observers)

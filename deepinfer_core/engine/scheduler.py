@@ -62,14 +62,16 @@ class Scheduler:
         lookahead: int = 0,
         acceptance: AcceptanceEstimate | None = None,
         step_costs: StepCostTable | None = None,
+        decode_costs: StepCostTable | None = None,
     ) -> None:
         """lookahead: KV slots a decode needs past its own and its drafts' (a draft model drafting further).
         acceptance: adaptive verification; each step's drafts are cut to `plan_verification`'s choice.
-        step_costs: what a step takes by its tokens, measured (engine/step_costs.py); adaptive verification weighs
-        drafts by it, or by `cost_model` without one."""
+        step_costs: what a step with drafts takes by its tokens, measured (engine/step_costs.py); adaptive
+        verification weighs drafts by it, or by `cost_model` without one. decode_costs: the same of steps without
+        drafts (a step whose drafts are all cut), if measured apart."""
         self.config, self.blocks, self.cost_model, self.step_costs = config, blocks, cost_model, step_costs
         self.proposer, self.num_speculative_tokens, self.lookahead = proposer, num_speculative_tokens, lookahead
-        self.acceptance = acceptance
+        self.acceptance, self.decode_costs = acceptance, decode_costs
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
 
@@ -162,6 +164,8 @@ class Scheduler:
         context = max(scheduled[i][0].num_tokens for i in decodes)
 
         def step_cost(tokens: int) -> float:
+            if tokens == base and self.decode_costs is not None:  # no draft verified: a plain decode step
+                return self.decode_costs.cost(tokens)
             if self.step_costs is not None:
                 return self.step_costs.cost(tokens)
             return self.cost_model.cost(tokens, context)

@@ -211,23 +211,24 @@ def plan_verification(
 
     offered[i]: drafts request i has; survival[i][j]: the probability its drafts 1..j+1 are all accepted;
     step_cost(t): the step's estimated time with t tokens in it; base_tokens: the step's tokens without any
-    draft (each decode's own token, prefill chunks). Draft slots are admitted across the batch best first
-    (highest survival: each request's are in order) while the expected tokens the step yields per second
-    grows; the step yields at least one token per decode whatever is admitted."""
+    draft (each decode's own token, prefill chunks). Draft slots are taken across the batch best first (highest
+    survival: each request's are in order); of every such prefix (none included) the one whose expected tokens
+    per second of step cost is highest is admitted: a step cost may jump (a step with drafts can run otherwise
+    than one without), so a slot that lowers the rate does not end the search. The step yields at least one
+    token per decode whatever is admitted."""
     slots = sorted(
         ((survival[i][j], i, j) for i, n in enumerate(offered) for j in range(n)), key=lambda s: (-s[0], s[1], s[2])
     )
     take = [0] * len(offered)
     tokens, expected = base_tokens, float(len(offered))
-    rate = expected / step_cost(tokens)
+    best, best_take = expected / step_cost(tokens), list(take)
     for gain, i, j in slots:
         if j != take[i]:  # a request's drafts are verified in order
             continue
-        better = (expected + gain) / step_cost(tokens + 1)
-        if better <= rate:
-            break  # slots only get worse from here (sorted), and the cost does not fall as tokens grow
-        take[i], tokens, expected, rate = j + 1, tokens + 1, expected + gain, better
-    return take
+        take[i], tokens, expected = j + 1, tokens + 1, expected + gain
+        if (rate := expected / step_cost(tokens)) > best:
+            best, best_take = rate, list(take)
+    return best_take
 
 
 def check_model(model, spec: SpeculativeConfig) -> None:

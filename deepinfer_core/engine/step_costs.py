@@ -2,9 +2,11 @@
 
 Adaptive verification (engine/speculative.py `plan_verification`) admits draft slots while the tokens a step is
 expected to yield per second of its cost grow, so it needs a step's cost by its token count on this backend, not
-a generic formula. At engine build, `profile_verify_steps` runs dummy verify steps through the model runner (the
-real model, sampler, drafter and caches) at a handful of token counts up to the most a step of verifies can hold,
-times them with the backend's `StepTimer`, and returns the `StepCostTable` the scheduler plans with.
+a generic formula. At engine build, `profile_verify_steps` runs dummy steps through the model runner (the real
+model, sampler, drafter and caches) at a handful of token counts, times them with the backend's `StepTimer`, and
+returns two `StepCostTable`s: steps of verifies (k + 1 tokens a sequence, up to the most a step holds) and plain
+decode steps (one token a sequence), which a backend may run quite differently (replayed from a device graph);
+a step whose drafts are all cut is one of those.
 """
 
 from __future__ import annotations
@@ -27,20 +29,21 @@ TIMED_RUNS = 2  # per token count, after one warm-up run: start-up stays short
 
 
 def profiled_token_counts(config: SchedulerConfig, num_speculative_tokens: int) -> list[int]:
-    """Token counts to time: powers of two, then the most a step of verifies holds (every sequence's token and
-    all its drafts, within the step's token budget and MAX_PROFILED_TOKENS)."""
+    """Token counts to time: powers of two, then the most a step holds (every sequence's token and all its
+    `num_speculative_tokens` drafts, within the step's token budget and MAX_PROFILED_TOKENS)."""
     top = min(config.max_num_seqs * (num_speculative_tokens + 1), config.max_num_batched_tokens, MAX_PROFILED_TOKENS)
     counts = [1 << i for i in range(top.bit_length()) if 1 << i < top]
     return counts + [top]
 
 
-def dummy_verify_step(tokens: int, max_num_seqs: int, block_size: int) -> list[tuple[Request, int]]:
-    """A dummy verify step of `tokens` tokens: min(tokens, max_num_seqs) sequences at the start of their
-    context, each verifying its one token and drafts (token id 0 throughout), the tokens spread evenly.
+def dummy_verify_step(tokens: int, max_num_seqs: int, block_size: int, per_sequence: int) -> list[tuple[Request, int]]:
+    """A dummy step of `tokens` tokens: as many sequences at the start of their context as hold them with at
+    most `per_sequence` tokens each (within max_num_seqs), each verifying its one token and drafts (token id 0
+    throughout), the tokens spread evenly; per_sequence 1: a decode step.
 
     Every sequence's positions are in blocks 0, 1, ... (shared: they write the same entries, whose values are
     never used) and sequence i is in per-sequence slot i."""
-    num_seqs = min(tokens, max_num_seqs)
+    num_seqs = min(-(-tokens // per_sequence), max_num_seqs)
     step = []
     for i in range(num_seqs):
         count = tokens // num_seqs + (i < tokens % num_seqs)
@@ -55,8 +58,9 @@ def dummy_verify_step(tokens: int, max_num_seqs: int, block_size: int) -> list[t
 
 def profile_verify_steps(
     runner: ModelRunner, timer: StepTimer, blocks: BlockManager, config: SchedulerConfig, num_speculative_tokens: int
-) -> StepCostTable:
-    """Time dummy verify steps at `profiled_token_counts` with `timer` on the runner's model and caches.
+) -> tuple[StepCostTable, StepCostTable]:
+    """Time dummy steps with `timer` on the runner's model and caches -> (decode steps' costs at one token a
+    sequence up to max_num_seqs, verify steps' at `profiled_token_counts`, k + 1 tokens a sequence).
 
     Called before the engine takes its first request. The steps write the paged caches' entries of positions
     0..k of blocks 0, 1, ... and per-sequence slots 0..max_num_seqs-1, and read only what they wrote. Nothing
@@ -73,11 +77,13 @@ def profile_verify_steps(
             f"a verify step of {num_speculative_tokens} drafts needs {needed} KV blocks; the cache has "
             f"{blocks.num_blocks}: give the engine more KV memory or draft fewer tokens"
         )
-    counts = profiled_token_counts(config, num_speculative_tokens)
-    seconds = []
-    for tokens in counts:
-        step = dummy_verify_step(tokens, config.max_num_seqs, blocks.block_size)
-        seconds.append(timer.time(lambda step=step: runner.execute(step).tokens.token_ids, runs=TIMED_RUNS))
-    table = StepCostTable(tuple(counts), tuple(seconds))
-    log.info("verify step costs (profiled at start-up for adaptive verification): %r", table)
-    return table
+    tables = []
+    for per_sequence, kind in ((1, "decode"), (num_speculative_tokens + 1, "verify")):
+        counts = profiled_token_counts(config, per_sequence - 1)
+        seconds = []
+        for tokens in counts:
+            step = dummy_verify_step(tokens, config.max_num_seqs, blocks.block_size, per_sequence)
+            seconds.append(timer.time(lambda step=step: runner.execute(step).tokens.token_ids, runs=TIMED_RUNS))
+        tables.append(StepCostTable(tuple(counts), tuple(seconds)))
+        log.info("%s step costs (profiled at start-up for adaptive verification): %r", kind, tables[-1])
+    return tables[0], tables[1]

@@ -193,7 +193,7 @@ def test_plan_verification_admits_slots_while_the_rate_grows():
         return 1.0 + 0.1 * t
 
     # two decodes (2 base tokens): rate 2 / 1.2 = 1.67; slot 0.9 -> 2.9 / 1.3 = 2.23; 0.8 -> 3.7 / 1.4 = 2.64;
-    # 0.5 -> 4.2 / 1.5 = 2.8; 0.1 -> 4.3 / 1.6 = 2.69 (worse: stop)
+    # 0.5 -> 4.2 / 1.5 = 2.8 (the best); 0.1 -> 4.3 / 1.6 = 2.69; 0.05, 0.01: worse still
     survival = [[0.9, 0.5, 0.1], [0.8, 0.05, 0.01]]
     assert plan_verification([3, 3], survival, linear, 2) == [2, 1]
     assert plan_verification([1, 3], survival, linear, 2) == [1, 1]  # offered drafts cap it
@@ -204,6 +204,13 @@ def test_plan_verification_admits_slots_while_the_rate_grows():
 
     assert plan_verification([3, 3], survival, steep, 2) == [0, 0]
     assert plan_verification([], [], linear, 5) == []
+
+    def jump(t):  # drafts make the step run otherwise: its cost jumps at the first one, then grows slowly
+        return 1.0 if t <= 2 else 3.0 + 0.01 * t
+
+    # the first slot alone lowers the rate (2 / 1 = 2 -> 2.9 / 3.03 = 0.96); all six raise it: 7.35 / 3.08 = 2.39
+    assert plan_verification([3, 3], [[0.9, 0.9, 0.9], [0.9, 0.9, 0.85]], jump, 2) == [3, 3]
+    assert plan_verification([3, 3], [[0.3, 0.1, 0.05], [0.2, 0.1, 0.0]], jump, 2) == [0, 0]  # never pays
 
 
 def test_acceptance_estimate_counts_a_position_once_the_drafts_before_it_held():
@@ -243,6 +250,7 @@ def test_adaptive_verification_follows_the_cost_and_keeps_the_output(tiny_checkp
     def run(speculative):
         llm = _llm(tiny_checkpoint, "rowwise_cpu", speculative)
         llm.engine.scheduler.cost_model, llm.engine.scheduler.step_costs = opposite, table
+        llm.engine.scheduler.decode_costs = None
         return llm, llm.generate([LOOP, LOOP[3:]], params, use_tqdm=False)
 
     want = run(None)[1]

@@ -125,15 +125,18 @@ def test_an_adaptive_engine_profiles_verify_steps_at_start_up(tiny_checkpoint, m
     llm = LLM(model=tiny_checkpoint, accelerator="cpu", block_size=16, progress=False, max_num_seqs=4,
               speculative_config=ADAPTIVE)  # fmt: skip
     counts = profiled_token_counts(llm.engine.config.scheduler, 3)
+    decodes = profiled_token_counts(llm.engine.config.scheduler, 0)
     table = llm.engine.scheduler.step_costs
-    assert timer.sampled == counts  # each profiled step had as many tokens as its bucket says
+    assert timer.sampled == decodes + counts  # each profiled step had as many tokens as its bucket says
+    assert decodes == [1, 2, 4]  # one token for each of up to max_num_seqs sequences
+    assert llm.engine.scheduler.decode_costs == StepCostTable(tuple(decodes), tuple(c * 1e-3 for c in decodes))
     assert table == StepCostTable(tuple(counts), tuple(c * 1e-3 for c in counts))
     assert table.tokens[-1] == 4 * (3 + 1)  # every sequence verifying all its drafts
     blocks = llm.engine.blocks
     assert blocks.num_used_blocks == 0 and not blocks._cached and blocks.prefix_queries == 0  # nothing held
     fixed = LLM(model=tiny_checkpoint, accelerator="cpu", block_size=16, progress=False, max_num_seqs=4,
                 speculative_config={**ADAPTIVE, "verify": "fixed"})  # fmt: skip
-    assert fixed.engine.scheduler.step_costs is None and len(timer.sampled) == len(counts)  # not profiled
+    assert fixed.engine.scheduler.step_costs is None and len(timer.sampled) == len(decodes + counts)  # not profiled
 
 
 @pytest.mark.parametrize("accelerator", ["cpu", "rowwise_cpu"])
@@ -151,6 +154,7 @@ def test_after_profiling_speculative_output_is_the_plain_output(tiny_checkpoint,
         if speculative is not None:
             assert llm.engine.scheduler.step_costs is not None  # profiled at start-up
             llm.engine.scheduler.step_costs = StepCostTable((1, 64), (1.0, 1.0))
+            llm.engine.scheduler.decode_costs = None
         return llm, [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
 
     want = run(None)[1]
@@ -169,6 +173,7 @@ def test_after_profiling_a_model_with_per_sequence_caches_keeps_its_output():
         llm = LLM(accelerator="cpu", progress=False, max_num_seqs=4, speculative_config=speculative)
         if speculative is not None:
             llm.engine.scheduler.step_costs = StepCostTable((1, 64), (1.0, 1.0))
+            llm.engine.scheduler.decode_costs = None
         return llm, [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
 
     spec, got = run({"method": "ngram", "num_speculative_tokens": 3, "verify": "adaptive"})
