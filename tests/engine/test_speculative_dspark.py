@@ -1,6 +1,7 @@
 """Speculative decoding of DeepSeek-V4.1 with its DSpark draft layers (model/dspark.py), on a tiny random
 checkpoint with two draft stages: output identical to plain decoding (greedy and seeded, fixed and adaptive
-verification, chunked prefill); the drafts and confidences the engine makes step by step equal those of a
+verification, chunked prefill; prefix hits, preemption, a stop token and max_tokens inside accepted runs); the
+drafts and confidences the engine makes step by step equal those of a
 one-shot prefill of the same tokens (each stage's ring follows the sequence through verify steps and their
 rejected drafts), with a negative control; the Markov and confidence heads against their formulas; the
 planner verifying by the confidences; the errors a wrong setup gets."""
@@ -149,3 +150,45 @@ def test_dspark_setup_errors(tmp_path):
         _llm(noisy)
     with pytest.raises(CheckpointError, match="the embedded demo model"):
         LLM(accelerator="cpu", progress=False, speculative_config={"method": "dspark", "num_speculative_tokens": 2})
+
+
+def _steered_run(llm: LLM, prompts, params, plain: dict[str, list[int]] | None = None) -> dict[str, list[int]]:
+    """Run `prompts` through the engine step by step -> each request's output tokens. With `plain` (each
+    request's plain output), after every step each request's next drafts are replaced by plain's next 0..3
+    tokens and then wrong ones: the DSpark drafter runs (its rings, catch-up and confidences) while verify
+    steps accept runs long enough to end inside them."""
+    engine, outputs = llm.engine, {}
+    for i, (prompt, p) in enumerate(zip(prompts, params)):
+        engine.add_request(str(i), prompt, p)
+    preempted, original = [], engine.scheduler._preempt
+    engine.scheduler._preempt = lambda request: (preempted.append(request), original(request))
+    while engine.has_unfinished():
+        for output in engine.step():
+            outputs[output.request_id] = list(output.outputs[0].token_ids)
+        for group in engine._requests.values():
+            request = group.samples[0]
+            if plain is not None and request.next_draft_token_ids:
+                done, want = len(request.output_token_ids), plain[request.request_id]
+                request.next_draft_token_ids = (want[done : done + done % 4] + [7, 8, 9, 10])[:4]
+    llm.preempted = preempted
+    return outputs
+
+
+def test_dspark_through_prefix_hits_preemption_stops_and_max_tokens(checkpoint):
+    """Prompts sharing 32 tokens (prefix hits after the first), a KV budget that preempts, a stop token and
+    max_tokens that end requests inside accepted runs: the output is plain decoding's."""
+    shared = list(range(100, 132))
+    prompts = [shared + [7, 8], shared + [9], shared + [10, 11, 12], LOOP[:20]]
+    greedy = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    seeded = SamplingParams(temperature=0.8, seed=3, max_tokens=27, ignore_eos=True)
+    params = [greedy, seeded, greedy, seeded]
+    want = _steered_run(_llm(checkpoint, k=None, num_kv_blocks=9, max_num_seqs=4), prompts, params)
+    stop = want["2"][6]  # request 2 stops at its seventh token (or earlier, where the same token comes first)
+    params[2] = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, stop_token_ids=[stop])
+    want["2"] = want["2"][: want["2"].index(stop) + 1]
+    spec = _llm(checkpoint, k=4, num_kv_blocks=9, max_num_seqs=4)
+    got = _steered_run(spec, prompts, params, want)
+    assert got == want
+    stats = spec.engine.spec_stats
+    assert stats.num_accepted_tokens > 0 and spec.preempted, "no accepted drafts or no preemption: not exercised"
+    assert spec.engine.blocks.prefix_hits > 0
