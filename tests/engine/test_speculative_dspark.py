@@ -1,9 +1,8 @@
 """Speculative decoding of DeepSeek-V4.1 with its DSpark draft layers (model/dspark.py), on a tiny random
 checkpoint with two draft stages: output identical to plain decoding (greedy and seeded, fixed and adaptive
 verification, chunked prefill; prefix hits, preemption, a stop token and max_tokens inside accepted runs); the
-drafts and confidences the engine makes step by step equal those of a
-one-shot prefill of the same tokens (each stage's ring follows the sequence through verify steps and their
-rejected drafts), with a negative control; the Markov and confidence heads against their formulas; the
+drafts and confidences the engine makes step by step equal those of a one-shot prefill of the same tokens (each
+stage's ring follows the sequence through verify steps and their rejected drafts), with a negative control; the Markov and confidence heads against their formulas; the
 planner verifying by the confidences; the errors a wrong setup gets."""
 
 from __future__ import annotations
