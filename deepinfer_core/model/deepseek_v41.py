@@ -30,6 +30,7 @@ __all__ = [
     "DeepseekV41Model",
     "FLOAT32_WEIGHTS_V41",
     "expected_weights_v41",
+    "hc_mixes",
     "moe_shapes",
     "v41_moe",
     "window_attention_shapes",
@@ -93,6 +94,15 @@ def v41_moe(backend: ResolvedBackend, cfg: DeepseekV41Config, w: dict, p: str, r
     shared = DenseMLP(backend, *mlp(f"{p}.shared_experts"), limit, float_activation=True)  # as the reference
     gate = w[f"{p}.gate.weight"].float() / cfg.gate_temp  # logits at the router's temperature
     return MoE(backend, routing, gate, w[f"{p}.gate.bias"], experts, shared, limit=limit, weight_before_down=True)
+
+
+def hc_mixes(ops, cfg: DeepseekV41Config, streams: torch.Tensor, mixer: tuple):
+    """A layer's hyper-connection mixer (fn, scale, base) over streams [T, N, D] -> ops.hc_mixes' (pre, post,
+    comb)."""
+    fn, scale, base = mixer
+    return ops.hc_mixes(
+        streams, fn, scale, base, sinkhorn_iters=cfg.hc_sinkhorn_iters, eps=cfg.hc_eps, norm_eps=cfg.rms_norm_eps
+    )
 
 
 def expected_weights_v41(cfg: DeepseekV41Config) -> dict[str, tuple[int, ...]]:
@@ -207,13 +217,6 @@ class DeepseekV41Model:
     def num_layers(self) -> int:
         return len(self.layers)
 
-    def _mixes(self, streams: torch.Tensor, mixer: tuple):
-        cfg = self.config
-        fn, scale, base = mixer
-        return self.ops.hc_mixes(
-            streams, fn, scale, base, sinkhorn_iters=cfg.hc_sinkhorn_iters, eps=cfg.hc_eps, norm_eps=cfg.rms_norm_eps
-        )
-
     def forward(
         self,
         token_ids: torch.Tensor,
@@ -258,12 +261,15 @@ class DeepseekV41Model:
             if i in self.tap_layers:  # the stream mean entering the layer (its engram's included)
                 k = self.tap_layers.index(i)
                 columns, mean = self.taps[:, k * d : (k + 1) * d], streams.mean(dim=1)  # [T, D], [T', D]
-                columns.copy_(mean) if rows is None else columns.index_copy_(0, rows, mean)
-            attn_pre, post, comb = self._mixes(streams, mixers[0])
+                if rows is None:
+                    columns.copy_(mean)
+                else:
+                    columns.index_copy_(0, rows, mean)
+            attn_pre, post, comb = hc_mixes(ops, cfg, streams, mixers[0])
             x = ops.rms_norm(ops.hc_collapse(streams, pre), attn_norm, eps)
             group = caches[attention.plan.kv_source] if attention.plan.kv_source is not None else None
             streams = ops.hc_expand(attention(x, step, caches[i], group, shared), streams, post, comb)
-            pre, post, comb = self._mixes(streams, mixers[1])
+            pre, post, comb = hc_mixes(ops, cfg, streams, mixers[1])
             x = ops.rms_norm(ops.hc_collapse(streams, attn_pre), ffn_norm, eps)
             streams = ops.hc_expand(moe(x, token_ids), streams, post, comb)
         hidden = ops.rms_norm(ops.hc_collapse(streams, pre), self.norm, eps)  # [T', D]

@@ -36,7 +36,13 @@ from deepinfer_core.backend.ops import AttentionMetadata
 from deepinfer_core.backend.resolve import ResolvedBackend
 from deepinfer_core.model.config_v41 import DeepseekV41Config, LayerPlan
 from deepinfer_core.model.deepseek_v4 import UnsupportedModelError
-from deepinfer_core.model.deepseek_v41 import FLOAT32_WEIGHTS_V41, moe_shapes, v41_moe, window_attention_shapes
+from deepinfer_core.model.deepseek_v41 import (
+    FLOAT32_WEIGHTS_V41,
+    hc_mixes,
+    moe_shapes,
+    v41_moe,
+    window_attention_shapes,
+)
 from deepinfer_core.model.loader import CheckpointError, load_tensors
 from deepinfer_core.model.rope import rotary_tables
 from deepinfer_core.model.v4_step import V4Step
@@ -125,13 +131,6 @@ class DSparkDrafter:
             entries = attention.window_entries(context[rows], positions[rows])
             self.layout.write(cache["window"], attention.window_spec, slots, entries)
 
-    def _mixes(self, streams: torch.Tensor, mixer: tuple):
-        cfg = self.config
-        fn, scale, base = mixer
-        return self.ops.hc_mixes(
-            streams, fn, scale, base, sinkhorn_iters=cfg.hc_sinkhorn_iters, eps=cfg.hc_eps, norm_eps=cfg.rms_norm_eps
-        )
-
     def block(
         self, anchors: torch.Tensor, anchor_positions: torch.Tensor, meta: AttentionMetadata, caches, k: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -147,7 +146,7 @@ class DSparkDrafter:
         pre = torch.zeros(streams.shape[:2], dtype=torch.float32, device=streams.device)
         pre[:, 0] = 1.0  # the first attention input is the embedding, as in the backbone
         for (mixers, (attn_norm, ffn_norm), attention, moe), cache in zip(self.stages, caches):
-            attn_pre, post, comb = self._mixes(streams, mixers[0])
+            attn_pre, post, comb = hc_mixes(ops, cfg, streams, mixers[0])
             x = ops.rms_norm(ops.hc_collapse(streams, pre), attn_norm, eps)
             q, _ = attention.queries(x, positions)
             kv = attention.window_entries(x, positions)[:, 0]
@@ -155,7 +154,7 @@ class DSparkDrafter:
                 q, kv, cache["window"], attention.window_spec, meta, sinks=attention.sinks, scale=cfg.head_dim**-0.5
             )
             streams = ops.hc_expand(attention.output(out, positions), streams, post, comb)
-            pre, post, comb = self._mixes(streams, mixers[1])
+            pre, post, comb = hc_mixes(ops, cfg, streams, mixers[1])
             x = ops.rms_norm(ops.hc_collapse(streams, attn_pre), ffn_norm, eps)
             streams = ops.hc_expand(moe(x, ids), streams, post, comb)
         return ops.hc_collapse(streams, pre), ids
