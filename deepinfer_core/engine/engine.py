@@ -287,6 +287,8 @@ class Engine:
         scheduled = self.scheduler.schedule()
         if not scheduled.requests:
             return None
+        if self.spec_stats is not None:
+            self.spec_stats.num_proposed_tokens += scheduled.num_proposed_tokens
         in_flight = self._in_flight.tokens() if self._in_flight else None
         needed = None  # as the runner computes it for the step: a snapshot is whole from there on
         if self.snapshots is not None:

@@ -45,6 +45,7 @@ class SchedulerConfig:
 class ScheduledStep:
     requests: list[tuple[Request, int]]  # (request, tokens computed for it this step)
     num_preempted: int
+    num_proposed_tokens: int = 0  # drafts proposed for the step, before adaptive verification cut them
 
     @property
     def num_tokens(self) -> int:
@@ -150,9 +151,10 @@ class Scheduler:
             self.running.sort(key=lambda r: r.arrival)
             scheduled.append((request, count))
             budget -= count
+        proposed = sum(len(request.draft_token_ids) for request, _ in scheduled)
         if self.acceptance is not None:
             scheduled = self._plan_drafts(scheduled)
-        return ScheduledStep(scheduled, preempted)
+        return ScheduledStep(scheduled, preempted, proposed)
 
     def _plan_drafts(self, scheduled: list[tuple[Request, int]]) -> list[tuple[Request, int]]:
         """Adaptive verification: cut each decode's drafts to what `plan_verification` admits for this step."""

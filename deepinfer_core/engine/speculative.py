@@ -155,12 +155,14 @@ def accepted_prefix(drafts: Sequence[int], targets: Sequence[int]) -> int:
 
 @dataclass(slots=True)
 class SpeculativeStats:
-    """Counters since the engine started (vLLM's spec_decode metrics): verify steps' drafts, drafted tokens,
-    accepted ones, and accepted ones by draft position."""
+    """Counters since the engine started (vLLM's spec_decode metrics): verify steps' drafts, drafted tokens
+    verified, accepted ones, and accepted ones by draft position; and drafted tokens proposed (before adaptive
+    verification cut them: as many as verified with fixed verification)."""
 
     num_drafts: int = 0
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    num_proposed_tokens: int = 0
     accepted_per_position: list[int] | None = None
 
     def record(self, drafted: int, accepted: int, positions: int) -> None:

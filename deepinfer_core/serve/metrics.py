@@ -65,7 +65,7 @@ class ServerMetrics:
         self.model_name: str | None = None
         self._prefix_seen = (0, 0)  # the engine's cumulative prefix-cache (queries, hits) at the last scrape
         self._spec = None  # vLLM's spec_decode counters, made at the first scrape of a speculating engine
-        self._spec_seen = (0, 0, 0, [])  # the engine's SpeculativeStats at the last scrape
+        self._spec_seen = (0, 0, 0, 0, [])  # the engine's SpeculativeStats at the last scrape
         if model_name is not None and max_model_len is not None:
             self.bind(model_name, max_model_len)
 
@@ -206,6 +206,16 @@ class ServerMetrics:
                 counter("vllm:spec_decode_num_drafts", "Number of spec decoding drafts."),
                 counter("vllm:spec_decode_num_draft_tokens", "Number of draft tokens."),
                 counter("vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens."),
+                counter(
+                    "deepinfer:spec_decode_num_proposed_tokens",
+                    "Draft tokens proposed, before adaptive verification chose those to verify (num_draft_tokens).",
+                ),
+                Gauge(
+                    "deepinfer:spec_decode_mean_accepted_length",
+                    "Tokens a verify step yields on average: its accepted drafts plus its own.",
+                    _LABELS,
+                    registry=self.registry,
+                ).labels(*labels),
                 Counter(
                     "vllm:spec_decode_num_accepted_tokens_per_pos",
                     "Accepted draft tokens per draft position.",
@@ -213,11 +223,12 @@ class ServerMetrics:
                     registry=self.registry,
                 ),
             )
-        *totals, per_position = self._spec
-        now = (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens)
-        for counter_, value, before in zip(totals, now, self._spec_seen[:3]):
+        *totals, mean_length, per_position = self._spec
+        now = (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens, stats.num_proposed_tokens)
+        for counter_, value, before in zip(totals, now, self._spec_seen[:4]):
             counter_.inc(max(0, value - before))
-        seen_positions, positions = self._spec_seen[3], list(stats.accepted_per_position or [])
+        mean_length.set(stats.mean_accepted_length)
+        seen_positions, positions = self._spec_seen[4], list(stats.accepted_per_position or [])
         for position, value in enumerate(positions):
             before = seen_positions[position] if position < len(seen_positions) else 0
             per_position.labels(*labels, str(position)).inc(max(0, value - before))

@@ -176,6 +176,10 @@ def test_vllm_spec_decode_metrics_follow_the_engine(tiny_checkpoint):
         assert got[f"vllm:spec_decode_num_drafts_total{{{labels}}}"] == stats.num_drafts > 0
         assert got[f"vllm:spec_decode_num_draft_tokens_total{{{labels}}}"] == stats.num_draft_tokens
         assert got[f"vllm:spec_decode_num_accepted_tokens_total{{{labels}}}"] == stats.num_accepted_tokens > 0
+        # fixed verification: every proposed draft is verified
+        assert got[f"deepinfer:spec_decode_num_proposed_tokens_total{{{labels}}}"] == stats.num_draft_tokens
+        mean = got[f"deepinfer:spec_decode_mean_accepted_length{{{labels}}}"]
+        assert mean == pytest.approx(1 + stats.num_accepted_tokens / stats.num_drafts) and mean > 1
         per_position = [got.get(f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{{labels},position="{p}"}}', 0)
                         for p in range(3)]  # fmt: skip
         assert per_position == stats.accepted_per_position

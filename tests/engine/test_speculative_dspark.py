@@ -2,8 +2,9 @@
 checkpoint with two draft stages: output identical to plain decoding (greedy and seeded, fixed and adaptive
 verification, chunked prefill; prefix hits, preemption, a stop token and max_tokens inside accepted runs); the
 drafts and confidences the engine makes step by step equal those of a one-shot prefill of the same tokens (each
-stage's ring follows the sequence through verify steps and their rejected drafts), with a negative control; the Markov and confidence heads against their formulas; the
-planner verifying by the confidences; the errors a wrong setup gets."""
+stage's ring follows the sequence through verify steps and their rejected drafts), with a negative control; the
+Markov and confidence heads against their formulas; the planner verifying by the confidences; the errors a wrong
+setup gets."""
 
 from __future__ import annotations
 
@@ -138,6 +139,7 @@ def test_adaptive_verification_follows_the_confidences(checkpoint):
     step = scheduler.schedule()
     verified = {request.request_id: len(request.draft_token_ids) for request, _ in step.requests}
     assert (verified["0"], verified["1"]) == (4, 0)
+    assert step.num_proposed_tokens == 8  # what the drafter offered, as counted for the metrics
 
 
 def test_dspark_setup_errors(tmp_path):
