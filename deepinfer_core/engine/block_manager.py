@@ -29,6 +29,7 @@ __all__ = [
     "BOUNDED_REPLAY_TOKENS",
     "PREFIX_REPLAYS",
     "BlockManager",
+    "exact_replay_tokens",
     "PrefixReplay",
     "check_prefix_replay",
     "hash_block",
@@ -50,6 +51,13 @@ def check_prefix_replay(value: object) -> str:
             f"approximate), got {value!r}"
         )
     return value
+
+
+def exact_replay_tokens(model, drafter=None) -> int:
+    """Tokens a prefix hit replays to rebuild the model's per-sequence caches exactly (0: none to rebuild),
+    and a drafter's on top of them (an MTP layer's window, over the model's hidden states)."""
+    exact = getattr(model, "replay_tokens", 0)
+    return exact + getattr(drafter, "replay_tokens", 0) if exact else 0
 
 
 def prefix_replay_tokens(prefix_replay: str, exact: int) -> int:

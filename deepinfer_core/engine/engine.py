@@ -27,7 +27,13 @@ from dataclasses import dataclass, replace
 
 from deepinfer_core.backend.extensions import LogitsProcessor, Observer, RequestEvent, StepStats
 from deepinfer_core.backend.resolve import ResolvedBackend
-from deepinfer_core.engine.block_manager import BlockManager, PrefixReplay, check_prefix_replay, prefix_replay_tokens
+from deepinfer_core.engine.block_manager import (
+    BlockManager,
+    PrefixReplay,
+    check_prefix_replay,
+    exact_replay_tokens,
+    prefix_replay_tokens,
+)
 from deepinfer_core.engine.limits import at_least_one, context_length
 from deepinfer_core.engine.logprobs import LogprobRecorder
 from deepinfer_core.engine.memory import blocks_for_memory
@@ -37,14 +43,12 @@ from deepinfer_core.engine.runner import ModelRunner
 from deepinfer_core.engine.scheduler import Scheduler, SchedulerConfig
 from deepinfer_core.engine.snapshots import WindowSnapshots, first_needed
 from deepinfer_core.engine.speculative import (
-    AcceptanceEstimate,
     SpeculativeConfig,
-    SpeculativeError,
     SpeculativeStats,
     accepted_prefix,
     check_model,
 )
-from deepinfer_core.engine.step_costs import profile_verify_steps
+from deepinfer_core.engine.step_costs import scheduler_options
 from deepinfer_core.engine.stops import find_stop, held_back
 from deepinfer_core.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from deepinfer_core.errors import DeepInferError
@@ -100,13 +104,7 @@ class Engine:
         self.model, self.backend, self.tokenizer, self.config = model, backend, tokenizer, config
         spec = config.speculative
         if spec is not None:
-            check_model(model, spec)
-            if (spec.method == "ngram") != (drafter is None):
-                raise SpeculativeError(
-                    f"speculative method {spec.method!r} "
-                    + ("needs the checkpoint's draft layers, which were not loaded" if drafter is None else
-                       "takes no draft model")
-                )  # fmt: skip
+            check_model(model, spec, drafter)
         self._logprobs = LogprobRecorder(tokenizer)
         self.max_model_len = context_length(config.max_model_len, model.config.max_position_embeddings)
         block_size = backend.kv_layout.block_size
@@ -142,28 +140,16 @@ class Engine:
             block_size,
             config.enable_prefix_caching,
             num_seq_slots=config.scheduler.max_num_seqs,
-            replay_tokens=prefix_replay_tokens(config.prefix_replay, _replay_tokens(model, drafter)),
+            replay_tokens=prefix_replay_tokens(config.prefix_replay, exact_replay_tokens(model, drafter)),
             snapshots=snapshots,
         )
         self.snapshots = self.blocks.snapshots  # None: the model has no per-sequence caches, or no budget
         snapshots.log_start(self.blocks.replay_tokens if config.enable_prefix_caching else None)
         self.runner.snapshot_boundaries = self.snapshots is not None
-        decode_costs = step_costs = None
-        if spec is not None and spec.verify == "adaptive":  # it plans with steps' measured costs
-            decode_costs, step_costs = profile_verify_steps(
-                self.runner, backend.step_timer, self.blocks, config.scheduler, spec.num_speculative_tokens
-            )
-        self.scheduler = Scheduler(
-            config.scheduler,
-            self.blocks,
-            backend.cost_model,
-            proposer=spec.proposer() if spec else None,
-            num_speculative_tokens=spec.num_speculative_tokens if spec else 0,
-            lookahead=spec.lookahead if spec else 0,
-            acceptance=AcceptanceEstimate(spec.num_speculative_tokens) if spec and spec.verify == "adaptive" else None,
-            step_costs=step_costs,
-            decode_costs=decode_costs,
-        )
+        speculation = {}  # the scheduler's drafting: proposer, adaptive verification's estimates and step costs
+        if spec is not None:
+            speculation = scheduler_options(spec, self.runner, backend.step_timer, self.blocks, config.scheduler)
+        self.scheduler = Scheduler(config.scheduler, self.blocks, backend.cost_model, **speculation)
         self.spec_stats = SpeculativeStats() if spec else None
         self.observers = list(observers)
         eos = set(model.config.eos_token_ids)
@@ -440,10 +426,3 @@ class Engine:
                 observer.on_step(stats)
             except Exception:
                 log.exception("observer %r failed on a step", observer)
-
-
-def _replay_tokens(model, drafter) -> int:
-    """Tokens a prefix hit replays to rebuild the model's per-sequence caches exactly (0: none to rebuild),
-    and a drafter's on top of them (an MTP layer's window, over the model's hidden states)."""
-    exact = getattr(model, "replay_tokens", 0)
-    return exact + getattr(drafter, "replay_tokens", 0) if exact else 0

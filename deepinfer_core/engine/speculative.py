@@ -233,10 +233,17 @@ def plan_verification(
     return best_take
 
 
-def check_model(model, spec: SpeculativeConfig) -> None:
-    """Rejected drafts must leave no trace a later step reads: in paged caches their entries lie past the
-    sequence's length and are rewritten first; a model with per-sequence caches (rings, states) says how many
-    drafts a step may verify without that (`speculative_max_drafts`: spare ring slots and state rows)."""
+def check_model(model, spec: SpeculativeConfig, drafter=None) -> None:
+    """The method has its draft model (`drafter`: None for ngram), and rejected drafts leave no trace a later
+    step reads: in paged caches their entries lie past the sequence's length and are rewritten first; a model
+    with per-sequence caches (rings, states) says how many drafts a step may verify without that
+    (`speculative_max_drafts`: spare ring slots and state rows)."""
+    if (spec.method == "ngram") != (drafter is None):
+        raise SpeculativeError(
+            f"speculative method {spec.method!r} "
+            + ("needs the checkpoint's draft layers, which were not loaded" if drafter is None else
+               "takes no draft model")
+        )  # fmt: skip
     limit = getattr(model, "speculative_max_drafts", None)
     if limit is not None:
         if spec.num_speculative_tokens > limit:

@@ -18,9 +18,17 @@ from deepinfer_core.engine.block_manager import BlockManager
 from deepinfer_core.engine.request import Request, RequestStatus
 from deepinfer_core.engine.runner import ModelRunner
 from deepinfer_core.engine.scheduler import SchedulerConfig
+from deepinfer_core.engine.speculative import AcceptanceEstimate, SpeculativeConfig
 from deepinfer_core.sampling.params import SamplingParams
 
-__all__ = ["MAX_PROFILED_TOKENS", "TIMED_RUNS", "profile_verify_steps", "profiled_token_counts", "dummy_verify_step"]
+__all__ = [
+    "MAX_PROFILED_TOKENS",
+    "TIMED_RUNS",
+    "dummy_verify_step",
+    "profile_verify_steps",
+    "profiled_token_counts",
+    "scheduler_options",
+]
 
 log = logging.getLogger(__name__)
 
@@ -87,3 +95,23 @@ def profile_verify_steps(
         tables.append(StepCostTable(tuple(counts), tuple(seconds)))
         log.info("%s step costs (profiled at start-up for adaptive verification): %r", kind, tables[-1])
     return tables[0], tables[1]
+
+
+def scheduler_options(
+    spec: SpeculativeConfig, runner: ModelRunner, timer: StepTimer, blocks: BlockManager, config: SchedulerConfig
+) -> dict:
+    """The Scheduler's keyword arguments for speculative decoding with `spec`: its proposer and draft counts,
+    and for adaptive verification the acceptance estimate and the step costs profiled here, now."""
+    options = {
+        "proposer": spec.proposer(),
+        "num_speculative_tokens": spec.num_speculative_tokens,
+        "lookahead": spec.lookahead,
+    }
+    if spec.verify == "adaptive":  # it plans with steps' measured costs
+        decode, verify = profile_verify_steps(runner, timer, blocks, config, spec.num_speculative_tokens)
+        options |= {
+            "acceptance": AcceptanceEstimate(spec.num_speculative_tokens),
+            "step_costs": verify,
+            "decode_costs": decode,
+        }
+    return options
