@@ -20,15 +20,15 @@ SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "gpu_packed_reads.py"
 def test_tiny_run_writes_a_complete_report(tmp_path):
     out = tmp_path / "packed.json"
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
-    args = ["--tiny", "--decode", "2@30", "--prefill", "2@12", "--out", str(out)]
+    args = ["--tiny", "--decode", "1@18", "--prefill", "1@6", "--out", str(out)]
     run = subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=300, env=env)
     assert run.returncode == 0, run.stderr[-3000:]
     report = json.loads(out.read_text())
     assert report["machine"]["cpu_count"] and report["versions"]["torch"]
     assert set(report["systems"]) == {"plain", "staged", "in_kernel", "auto"}
     assert [(r["kind"], r["batch"], r["context"], r["queries_per_sequence"]) for r in report["rows"]] == [
-        ("decode", 2, 30, 1),
-        ("prefill", 2, 0, 12),
+        ("decode", 1, 18, 1),
+        ("prefill", 1, 0, 6),
     ]
     for row in report["rows"]:
         assert all(row[f"{system}_ms"] > 0 for system in report["systems"])

@@ -56,7 +56,7 @@ def _trace(llm: LLM, prompt: list[int], params: SamplingParams) -> list[tuple[li
 def test_the_drafts_of_each_step_are_a_one_shot_prefills(mtp_checkpoint):
     """After every step (verify steps accepting some drafts, rolling the rest back), the drafts equal those
     a fresh engine makes from one prefill of the same tokens: the drafter's cache held exactly the sequence."""
-    greedy = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    greedy = SamplingParams(temperature=0, max_tokens=9, ignore_eos=True)
     trace = _trace(_llm(mtp_checkpoint), LOOP[:23], greedy)
     assert len(trace) >= 3 and all(len(drafts) == 3 for _, drafts in trace)
     for tokens, drafts in trace:
@@ -75,7 +75,7 @@ def test_the_check_fails_for_a_drafter_that_skips_its_catch_up(mtp_checkpoint, m
         return real(step, [{name: cache.clone() for name, cache in layer.items()} for layer in caches], k)
 
     monkeypatch.setattr(drafter, "draft", without_catch_up)
-    trace = _trace(llm, LOOP[:23], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
+    trace = _trace(llm, LOOP[:23], SamplingParams(temperature=0, max_tokens=9, ignore_eos=True))
     fresh = [_trace(_llm(mtp_checkpoint, enable_prefix_caching=False), t[:-1], SamplingParams(max_tokens=2,
              temperature=0))[0][1] for t, _ in trace]  # fmt: skip
     assert any(f != d for f, (_, d) in zip(fresh, trace))

@@ -18,9 +18,9 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny tensors: see te
 
 PROMPTS = [list(range(30, 35)), list(range(30, 70)), list(range(200, 270))]
 PARAMS = [
-    SamplingParams(temperature=0, max_tokens=40, ignore_eos=True),
-    SamplingParams(temperature=1.0, seed=4, max_tokens=40, ignore_eos=True),
-    SamplingParams(temperature=0, max_tokens=40, ignore_eos=True),
+    SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
+    SamplingParams(temperature=1.0, seed=4, max_tokens=24, ignore_eos=True),
+    SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
 ]
 MODELS = ["v4-demo", *(f"v41-{name}" for name in sorted(SCHEDULES))]
 SPEC = {"method": "ngram", "num_speculative_tokens": 6}
@@ -71,10 +71,10 @@ def test_output_is_the_plain_output_through_rejections(v41_checkpoints, model, a
 
 @pytest.mark.parametrize("model", MODELS)
 def test_without_spare_rows_the_output_changes(v41_checkpoints, model, monkeypatch):
-    want = _generate(_llm(model, v41_checkpoints, "rowwise_cpu"))
+    want = _generate(_llm(model, v41_checkpoints, "cpu"))
     for module in (v4_attention, v41_attention, v41_engram):  # rings and states sized without spare rows
         monkeypatch.setattr(module, "ROLLBACK_SLOTS", 0)
-    got = _generate(_llm(model, v41_checkpoints, "rowwise_cpu", SPEC), HalfRightDrafts(want))
+    got = _generate(_llm(model, v41_checkpoints, "cpu", SPEC), HalfRightDrafts(want))
     assert got != want
 
 
