@@ -23,27 +23,25 @@ import itertools
 import logging
 import random
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 from deepinfer_core.backend.extensions import LogitsProcessor, Observer, RequestEvent, StepStats
 from deepinfer_core.backend.resolve import ResolvedBackend
 from deepinfer_core.engine.block_manager import (
     BlockManager,
-    PrefixReplay,
-    check_prefix_replay,
     exact_replay_tokens,
     prefix_replay_tokens,
 )
-from deepinfer_core.engine.limits import at_least_one, context_length
+from deepinfer_core.engine.config import EngineConfig
+from deepinfer_core.engine.limits import context_length
 from deepinfer_core.engine.logprobs import LogprobRecorder
 from deepinfer_core.engine.memory import blocks_for_memory
 from deepinfer_core.engine.pending import LaunchedStep
 from deepinfer_core.engine.request import Delta, Request, RequestGroup, RequestOutput
 from deepinfer_core.engine.runner import ModelRunner
-from deepinfer_core.engine.scheduler import Scheduler, SchedulerConfig
+from deepinfer_core.engine.scheduler import Scheduler
 from deepinfer_core.engine.snapshots import WindowSnapshots, first_needed
 from deepinfer_core.engine.speculative import (
-    SpeculativeConfig,
     SpeculativeStats,
     accepted_prefix,
     check_model,
@@ -54,39 +52,13 @@ from deepinfer_core.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from deepinfer_core.errors import DeepInferError
 from deepinfer_core.sampling.params import SamplingParams
 
-__all__ = ["Engine", "EngineConfig", "RequestError"]
+__all__ = ["Engine", "EngineConfig", "RequestError"]  # EngineConfig: engine/config.py
 
 log = logging.getLogger(__name__)
 
 
 class RequestError(DeepInferError):
     """A request the engine cannot serve as asked (too long, bad ids, no tokenizer for text)."""
-
-
-@dataclass(frozen=True, slots=True)
-class EngineConfig:
-    num_kv_blocks: int | None = None  # None: size the cache from kv_cache_memory_bytes
-    kv_cache_memory_bytes: int = 1 << 30
-    max_model_len: int | None = None  # None: the model's max_position_embeddings
-    enable_prefix_caching: bool = True
-    prefix_replay: PrefixReplay = "exact"  # a hit's replay of per-sequence caches: all of it, or one block
-    # host memory for window snapshots at block boundaries (engine/snapshots.py); 0: none, hits replay
-    window_snapshot_bytes: int = 4 << 30
-    scheduler: SchedulerConfig = SchedulerConfig()
-    async_scheduling: bool | None = None  # None: where the backend's capabilities say it supports it
-    graph_batch_size: int = 256  # decode steps of up to this many sequences replay device graphs; 0: never
-    seed: int | None = None  # seeds requests without one (vLLM's --seed); None: from system randomness
-    speculative: SpeculativeConfig | None = None  # draft and verify (vLLM's --speculative-config); None: off
-
-    def __post_init__(self) -> None:
-        for name in ("num_kv_blocks", "kv_cache_memory_bytes", "max_model_len"):
-            at_least_one(name, getattr(self, name))
-        if self.window_snapshot_bytes < 0:
-            raise DeepInferError(
-                f"window_snapshot_bytes (--window-snapshot-gb) must be 0 (no snapshots) or more, "
-                f"got {self.window_snapshot_bytes}"
-            )
-        check_prefix_replay(self.prefix_replay)
 
 
 class Engine:
