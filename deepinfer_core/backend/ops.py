@@ -190,6 +190,10 @@ class AttentionMetadata:
     # the most queries any sequence has in this step, when the caller knows it on the host (vLLM's
     # max_query_len); 1 marks a decode step, which a model may plan on the device without host reads
     max_query_len: int | None = None
+    # every sequence has exactly max_query_len queries (vLLM's uniform_decode): its newest tokens, all past
+    # its cached prefix and its window_start (a decode step, or a verify step of its last token and drafts,
+    # padded to the step's most), so a model may plan it on the device too
+    uniform_decode: bool = False
 
     @property
     def num_seqs(self) -> int:

@@ -115,8 +115,10 @@ class ModelRunner:
         where the backend can capture them; the caches then get one scratch block (and sequence slot) for
         padding rows.
         Per-sequence caches get `num_seq_slots` slots (the scheduler's max_num_seqs).
-        drafter: a draft model (model/mtp.py, mtp_v4.py) run after every step to draft `num_draft_tokens` tokens per
-        sampled request; its caches follow the model's. Steps then run eagerly.
+        drafter: a draft model (model/mtp.py, mtp_v4.py, dspark.py) run after every step to draft `num_draft_tokens`
+        tokens per sampled request; its caches follow the model's. Verify steps (each request's last token and
+        drafts) replay graphs too, every sequence padded to the step's most tokens (the scheduler allocates
+        KV slots for that: its lookahead).
         rejection: a row that checks a draft keeps it by rejection sampling (sampling/rejection.py), not by
         equality with the token sampled there."""
         self.model, self.backend, self.sampler = model, backend, backend.sampler
@@ -124,7 +126,6 @@ class ModelRunner:
         self.block_size = backend.kv_layout.block_size
         self.drafter, self.num_draft_tokens, self.rejection = drafter, num_draft_tokens, rejection
         use_graphs = backend.graphs is not None and graph_batch_size > 0 and getattr(model, "graph_capture", False)
-        use_graphs = use_graphs and drafter is None
         # graphs: block `num_blocks` and sequence slot `num_seq_slots` are the padding rows' scratch
         units, seq_units = (num_blocks + 1, num_seq_slots + 1) if use_graphs else (num_blocks, num_seq_slots)
         specs = model.cache_specs + (drafter.cache_specs if drafter is not None else [])
@@ -144,6 +145,8 @@ class ModelRunner:
                 max_blocks_per_seq=-(-max_model_len // self.block_size),
                 scratch_block=num_blocks,
                 scratch_seq_slot=num_seq_slots,
+                max_queries=1 + num_draft_tokens,
+                drafter=drafter,
             )
 
     def prepare(self, scheduled: Sequence[tuple[Request, int]], in_flight: InFlightTokens | None = None) -> StepBatch:
@@ -152,10 +155,12 @@ class ModelRunner:
         seq_slots, window_starts, cached_lens, needed_from, prompt_spans = [], [], [], [], []
         fill_at, fill_from = [], []  # index in token_ids <- row of in_flight.token_ids
         offsets = []  # per sampled row, the drafts before it
+        uniform = self._uniform_queries(scheduled)
         for row, (request, count) in enumerate(scheduled):
             begin, end = request.num_computed_tokens, request.num_computed_tokens + count
             drafts = request.draft_token_ids  # verified after the request's last token
             end_known = end - len(drafts)
+            pad = uniform - count if uniform else 0  # filler tokens after them, checked by no row
             token_ids += request.all_token_ids[begin:end_known] + drafts
             if end_known > request.num_known_tokens:  # its last token is still on the device
                 if end != request.num_known_tokens + 1 or in_flight is None or request not in in_flight.rows:
@@ -168,13 +173,14 @@ class ModelRunner:
                 count_scored = min(end, len(request.prompt_token_ids) - 1) + 1 - first
                 if count_scored > 0:
                     prompt_spans.append(PromptSpan(request, first, count_scored, starts[-1] + first - 1 - begin))
-            positions += range(begin, end)
+            token_ids += [0] * pad
+            positions += range(begin, end + pad)
             slots += [
                 request.block_ids[p // self.block_size] * self.block_size + p % self.block_size
-                for p in range(begin, end)
+                for p in range(begin, end + pad)
             ]
-            starts.append(starts[-1] + count)
-            seq_lens.append(end)
+            starts.append(starts[-1] + count + pad)
+            seq_lens.append(end + pad)
             tables.append(request.block_ids)
             seq_slots.append(request.seq_slot)
             window_starts.append(request.window_start)
@@ -183,7 +189,7 @@ class ModelRunner:
             if end_known == request.num_tokens:  # the step reaches its last token: sample the next one
                 for j in range(len(drafts) + 1):  # and after each draft: the tokens that verify them
                     sample_rows.append(row)
-                    last.append(starts[-1] - 1 - len(drafts) + j)
+                    last.append(starts[-1] - 1 - pad - len(drafts) + j)
                     offsets.append(j)
         width = max(len(t) for t in tables)
         block_tables = torch.full((len(tables), width), -1, dtype=torch.int64)
@@ -196,10 +202,13 @@ class ModelRunner:
             tokens[to_device(fill_at, device)] = in_flight.token_ids[to_device(fill_from, device)]
         fields = (starts, seq_lens, block_tables, slots, seq_slots, window_starts, cached_lens, needed_from)
         on_device = [to_device(values, device) for values in fields]
-        meta = AttentionMetadata(*on_device, max_query_len=max(b - a for a, b in zip(starts, starts[1:])))
+        max_query_len = max(b - a for a, b in zip(starts, starts[1:]))
+        meta = AttentionMetadata(*on_device, max_query_len=max_query_len, uniform_decode=uniform is not None)
         sampled = [scheduled[row][0] for row in sample_rows]
         last_index = to_device(last, device)
-        drafting = self._drafting_inputs(scheduled, sample_rows, offsets) if self.drafter is not None else None
+        drafting = None
+        if self.drafter is not None:
+            drafting = self._drafting_inputs(scheduled, sample_rows, offsets, uniform)
         return StepBatch(
             tokens,
             to_device(positions, device),
@@ -212,15 +221,41 @@ class ModelRunner:
             drafting,
         )
 
+    def _uniform_queries(self, scheduled: Sequence[tuple[Request, int]]) -> int | None:
+        """q when the step is uniform (AttentionMetadata.uniform_decode): every request runs its last token and
+        its drafts (q at most 1 + num_draft_tokens), none of them in its cached prefix or a replay, none owed
+        prompt logprobs, and all the same number of them, or the step replays a graph and each is padded to
+        the most, q (its KV blocks and the model's positions hold the filler); None otherwise."""
+        counts = [count for _, count in scheduled]
+        most = max(counts)
+        if most > 1 + self.num_draft_tokens:
+            return None
+        for request, count in scheduled:
+            begin = request.num_computed_tokens
+            if begin < max(request.num_cached_tokens, request.window_start) or request.needs_prompt_logprobs:
+                return None
+            if begin + count - len(request.draft_token_ids) != request.num_tokens:  # its last token, then drafts
+                return None
+        if min(counts) == most:
+            return most
+        width = max(len(request.block_ids) for request, _ in scheduled)
+        if self.graphs is None or not self.graphs.fits(len(scheduled), width, most):
+            return None
+        for request, _ in scheduled:
+            last = request.num_computed_tokens + most - 1
+            if last >= len(request.block_ids) * self.block_size or last > self.max_position:
+                return None
+        return most
+
     def _drafting_inputs(
-        self, scheduled: Sequence[tuple[Request, int]], sample_rows: list[int], offsets: list[int]
+        self, scheduled: Sequence[tuple[Request, int]], sample_rows: list[int], offsets: list[int], uniform: int | None
     ) -> DraftingInputs:
         next_ids, expected, first_row, seq_index, num_drafts, limits = [], [], [], [], [], []
         for request, count in scheduled:
             begin = request.num_computed_tokens
             seq = request.all_token_ids + request.draft_token_ids
             after = seq[begin + 1 : begin + count + 1]
-            next_ids += after + [0] * (count - len(after))  # 0: the token the step samples there
+            next_ids += after + [0] * ((uniform or count) - len(after))  # 0: sampled there, or padding
         for i, (row, offset) in enumerate(zip(sample_rows, offsets)):
             request = scheduled[row][0]
             drafts = request.draft_token_ids
@@ -254,13 +289,15 @@ class ModelRunner:
 
     def _run_model(self, batch: StepBatch) -> tuple[torch.Tensor, list[PromptLogprobs], torch.Tensor | None]:
         """run_model's results and what a drafter reads of the step (`target_forward`; without one the final
-        hidden states [T, D]), None when a device graph ran the step."""
+        hidden states [T, D], or None when a device graph ran the step)."""
         meta = batch.meta
-        decode = meta.slot_mapping.shape[0] == meta.num_seqs == len(batch.sampled)  # one new token per sequence
-        fits = self.graphs is not None and self.graphs.fits(meta.num_seqs, meta.block_tables.shape[1])
-        if decode and fits and not batch.prompt_spans:
-            logits = self.graphs.run(batch.token_ids, batch.positions, meta)  # [S, V], rows in batch order
-            return self._processed_logits(logits, batch).float(), [], None
+        graphs = self.graphs
+        if meta.uniform_decode and graphs is not None and graphs.fits(meta.num_seqs, meta.block_tables.shape[1],
+                                                                       meta.max_query_len):  # fmt: skip
+            logits, drafted = graphs.run(batch.token_ids, batch.positions, meta)  # [T, V], rows in step order
+            if meta.max_query_len > 1:  # a verify step: padding rows are sampled by none
+                logits = logits[batch.last_token_index]
+            return self._processed_logits(logits, batch).float(), [], drafted
         if self.drafter is None:
             hidden = drafted = self.model.forward(batch.token_ids, batch.positions, meta, self.caches)  # [T, D]
         else:  # and what the drafter reads of each position

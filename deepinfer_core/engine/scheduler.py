@@ -64,15 +64,18 @@ class Scheduler:
         acceptance: AcceptanceEstimate | None = None,
         step_costs: StepCostTable | None = None,
         decode_costs: StepCostTable | None = None,
+        padded_verify_batch: int = 0,
     ) -> None:
         """lookahead: KV slots a decode needs past its own and its drafts' (a draft model drafting further).
         acceptance: adaptive verification; each step's drafts are cut to `plan_verification`'s choice.
         step_costs: what a step with drafts takes by its tokens, measured (engine/step_costs.py); adaptive
         verification weighs drafts by it, or by `cost_model` without one. decode_costs: the same of steps without
-        drafts (a step whose drafts are all cut), if measured apart."""
+        drafts (a step whose drafts are all cut), if measured apart. padded_verify_batch: steps of decodes only, up
+        to this many, pad every sequence to the step's most drafts (the runner replays them from device graphs);
+        adaptive verification then picks each such step's draft depth."""
         self.config, self.blocks, self.cost_model, self.step_costs = config, blocks, cost_model, step_costs
         self.proposer, self.num_speculative_tokens, self.lookahead = proposer, num_speculative_tokens, lookahead
-        self.acceptance, self.decode_costs = acceptance, decode_costs
+        self.acceptance, self.decode_costs, self.padded_verify_batch = acceptance, decode_costs, padded_verify_batch
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
 
@@ -174,7 +177,8 @@ class Scheduler:
 
         estimate = self.acceptance.survival()  # from the acceptance counts so far, where no draft model says
         survival = [draft_survival(scheduled[i][0]) or estimate for i in decodes]
-        take = plan_verification(offered, survival, step_cost, base)
+        padded = base == len(scheduled) <= self.padded_verify_batch  # one token each besides drafts: all decodes
+        take = plan_verification(offered, survival, step_cost, base, padded)
         planned = list(scheduled)
         for i, keep in zip(decodes, take):
             request, count = scheduled[i]

@@ -111,8 +111,10 @@ class SpeculativeConfig:
 
     @property
     def lookahead(self) -> int:
-        """KV slots past a verify step's own that drafting writes (a draft model's further draft positions)."""
-        return 0 if self.method == "ngram" else self.num_speculative_tokens - 1
+        """KV slots past a verify step's own that a step may write: a draft model's further draft positions (k - 1
+        of them), and the filler tokens that pad every sequence of a verify step replayed from a device graph to
+        the step's most (k past its first at most)."""
+        return self.num_speculative_tokens
 
 
 class NgramProposer:
@@ -207,7 +209,11 @@ class AcceptanceEstimate:
 
 
 def plan_verification(
-    offered: Sequence[int], survival: Sequence[Sequence[float]], step_cost: Callable[[int], float], base_tokens: int
+    offered: Sequence[int],
+    survival: Sequence[Sequence[float]],
+    step_cost: Callable[[int], float],
+    base_tokens: int,
+    padded: bool = False,
 ) -> list[int]:
     """How many of its offered drafts each request verifies this step (adaptive verification).
 
@@ -217,7 +223,18 @@ def plan_verification(
     survival: each request's are in order); of every such prefix (none included) the one whose expected tokens
     per second of step cost is highest is admitted: a step cost may jump (a step with drafts can run otherwise
     than one without), so a slot that lowers the rate does not end the search. The step yields at least one
-    token per decode whatever is admitted."""
+    token per decode whatever is admitted.
+
+    padded: the step is all decodes, each padded to the most drafts admitted (a verify step replayed from a
+    device graph), so it costs step_cost(base_tokens * (1 + d)) for depth d whatever each request verifies up
+    to d: every request then verifies min(d, offered) drafts, d the depth of the highest rate."""
+    if padded:
+        rates = [
+            (base_tokens + sum(sum(s[:d]) for s in survival)) / step_cost(base_tokens * (1 + d))
+            for d in range(max(offered, default=0) + 1)
+        ]
+        depth = max(range(len(rates)), key=lambda d: (rates[d], -d))
+        return [min(depth, n) for n in offered]
     slots = sorted(
         ((survival[i][j], i, j) for i, n in enumerate(offered) for j in range(n)), key=lambda s: (-s[0], s[1], s[2])
     )

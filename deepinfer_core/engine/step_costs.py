@@ -38,10 +38,12 @@ TIMED_RUNS = 2  # per token count, after one warm-up run: start-up stays short
 
 def profiled_token_counts(config: SchedulerConfig, num_speculative_tokens: int) -> list[int]:
     """Token counts to time: powers of two, then the most a step holds (every sequence's token and all its
-    `num_speculative_tokens` drafts, within the step's token budget and MAX_PROFILED_TOKENS)."""
+    `num_speculative_tokens` drafts, within the step's token budget and MAX_PROFILED_TOKENS), each rounded up to
+    whole sequences of 1 + num_speculative_tokens (a step replayed from a graph is padded to them anyway)."""
     top = min(config.max_num_seqs * (num_speculative_tokens + 1), config.max_num_batched_tokens, MAX_PROFILED_TOKENS)
-    counts = [1 << i for i in range(top.bit_length()) if 1 << i < top]
-    return counts + [top]
+    counts = [1 << i for i in range(top.bit_length()) if 1 << i < top] + [top]
+    per_sequence = num_speculative_tokens + 1
+    return sorted({-(-t // per_sequence) * per_sequence for t in counts})
 
 
 def dummy_verify_step(tokens: int, max_num_seqs: int, block_size: int, per_sequence: int) -> list[tuple[Request, int]]:
@@ -113,5 +115,6 @@ def scheduler_options(
             "acceptance": AcceptanceEstimate(spec.num_speculative_tokens),
             "step_costs": verify,
             "decode_costs": decode,
+            "padded_verify_batch": runner.graphs.max_batch if runner.graphs is not None else 0,
         }
     return options

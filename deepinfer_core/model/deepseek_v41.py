@@ -233,7 +233,7 @@ class DeepseekV41Model:
         ops, cfg, eps = self.ops, self.config, self.config.rms_norm_eps
         step = V4Step(meta, positions, self.block_size)
         starts = None  # per layer, per sequence: its first position the layer processes
-        if meta.needed_from is not None and positions.shape[0] > meta.num_seqs:  # one token each: nothing to skip
+        if meta.needed_from is not None and not meta.uniform_decode and positions.shape[0] > meta.num_seqs:
             starts = layer_starts(cfg, meta.needed_from.tolist(), meta.cached_lens.tolist())
         rows = None  # the input rows the layers still process, once fewer than all
         streams = self.embed[token_ids][:, None, :].expand(-1, cfg.hc_mult, -1).contiguous()  # [T, N, D]

@@ -112,6 +112,8 @@ class GroupCompressor:
         latents, plan = self._latents(x, step, caches)
         if not plan.num_entries:
             return
+        if plan.written is not None:  # entries sharing a slot all write the same one
+            latents = latents[plan.written]
         entries = rope_tail(self.ops, latents[:, None, :], plan.positions, *self.rope)
         self.layout.write(caches["compressed"], self.entry_spec, plan.slots, _rounded(self.ops, entries, ENTRY_FORMAT))
         keys = self.ops.rms_norm(self.ops.linear(latents, self.w_keys), self.key_norm, self.eps)[:, None, :]

@@ -104,7 +104,7 @@ class NgramHasher:
         or before the state was written: a prefix hit's replay, whose first tokens the replay length covers),
         and the state writes (state entry, token row) that keep each sequence's last `rows` ids."""
         span, rows, sources, writes = self.span, self.rows, [], []
-        if step.decode:
+        if step.decode and step.queries <= rows:  # else a sequence's tokens share state rows: planned on the host
             return self._decode_lookback_sources(step)
         current = len(step._ends) * rows
         written = step.meta.window_starts.tolist()  # state entries of earlier positions are stale
@@ -124,15 +124,15 @@ class NgramHasher:
         )
 
     def _decode_lookback_sources(self, step: V4Step) -> tuple[torch.Tensor, torch.Tensor]:
-        """The same for a decode step (row b: sequence b's newest token), on the device."""
+        """The same for a uniform step (row r: token j of sequence b's q newest), on the device."""
         span, rows, batch = self.span, self.rows, step.meta.num_seqs
-        b = torch.arange(batch, device=step.device)[:, None]
-        p = step.positions.to(torch.int64)[:, None]
-        q = p - torch.arange(span, device=step.device)  # [B, span]: shifts 0 .. lookback
-        since = step.meta.window_starts[:, None].clamp_min(0)
-        sources = torch.where(q >= since, b * rows + q % rows, -1)
-        sources[:, 0] = batch * rows + b[:, 0]
-        return sources, torch.cat([b * rows + p % rows, b], dim=1).T
+        r, b, j, p = (t[:, None] for t in step._token_rows())
+        shift = torch.arange(span, device=step.device)
+        at = p - shift  # [T, span]: the positions of shifts 0 .. lookback
+        since = step.meta.window_starts[b].clamp_min(0)
+        sources = torch.where(at >= since, b * rows + at % rows, -1)
+        sources = torch.where(shift <= j, batch * rows + r - shift, sources)  # positions in the step: its rows
+        return sources, torch.cat([b * rows + p % rows, r], dim=1).T
 
     def __call__(self, token_ids: torch.Tensor, step: V4Step, state: torch.Tensor) -> torch.Tensor:
         compressed = self.token_map[token_ids]  # [T]

@@ -89,6 +89,8 @@ class Compressor:
             entry = rope_tail(
                 self.ops, self.ops.rms_norm(pooled, self.norm, self.eps)[:, None, :], plan.positions, *self.rope
             )
+            if plan.written is not None:  # entries sharing a slot all write the same one
+                entry = entry[plan.written]
             self.layout.write(entries, self.entry_spec, plan.slots, entry)
         states[plan.state_seqs, plan.state_rows] = projected[plan.state_tokens]
         self.layout.write(state, self.state_spec, step.seq_slots, states)

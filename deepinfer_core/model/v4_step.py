@@ -1,15 +1,17 @@
 """Index bookkeeping of one DeepSeek-V4 step, shared by every layer: which compressed entries the step
 finishes and where their tokens' projections are, which state rows and ring slots it writes.
 
-Built once per forward from the attention metadata. A decode step (`meta.max_query_len == 1`: one token
-per sequence) is planned with tensor ops on the device and never reads the host, so it can be captured in
-a device graph; other steps are planned from host copies of the metadata. A model that skips tokens in some
-layers (V4.1, v41_skip.py) narrows a step to the tokens a layer processes.
+Built once per forward from the attention metadata. A uniform step (q tokens for every sequence, its newest:
+a decode step, `meta.max_query_len == 1`, or a verify step marked `meta.uniform_decode`) is planned with tensor
+ops on the device and never reads the host, so it can be captured in a device graph; other steps are planned
+from host copies of the metadata. A model that skips tokens in some layers (V4.1, v41_skip.py) narrows a step
+to the tokens a layer processes.
 
-A decode step's compressor plan has one entry per sequence: the window its token falls in, finished or
-not. An unfinished window's entry is a provisional value in its own cache slot: no query sees an entry
-before its window finishes (visible entries are those below (position + 1) // rate), and the step that
-finishes the window overwrites it. That keeps every shape fixed by the batch size.
+A uniform step's compressor plan has one entry per token: the window it falls in, finished or not. An
+unfinished window's entry is a provisional value in its own cache slot: no query sees an entry before its
+window finishes (visible entries are those below (position + 1) // rate), and the step that finishes the
+window overwrites it. Where a step holds several tokens of one window, every one of them writes the entry of
+the newest (the same values to the same slot). That keeps every shape fixed by the batch size and q.
 """
 
 from __future__ import annotations
@@ -39,6 +41,9 @@ class CompressPlan:
     state_seqs: torch.Tensor  # [N] int64: state writes: sequence (row of the gathered states) ...
     state_rows: torch.Tensor  # [N] int64: ... state row p % S ...
     state_tokens: torch.Tensor  # [N] int64: ... from this step's token row
+    # [E] int64: the entry written at each of `slots` (an index into the E computed), where entries share a
+    # slot (a uniform step's tokens of one window: each writes the newest's); None: each its own
+    written: torch.Tensor | None = None
 
 
 class V4Step:
@@ -58,7 +63,16 @@ class V4Step:
         self.meta, self.positions, self.block_size = meta, positions, block_size
         self.seq_slots = meta.seq_slots
         self.device = meta.seq_lens.device
-        self.decode = host is None and meta.max_query_len == 1 and positions.shape[0] == meta.num_seqs
+        # q: every sequence's tokens in a uniform step, planned on the device; None: planned on the host
+        self.queries = None
+        if host is None and (meta.uniform_decode or (meta.max_query_len == 1 and positions.shape[0] == meta.num_seqs)):
+            self.queries = meta.max_query_len
+            if self.queries is None or positions.shape[0] != meta.num_seqs * self.queries:
+                raise ValueError(
+                    f"a uniform_decode step has max_query_len tokens for each of its {meta.num_seqs} sequences; got "
+                    f"{positions.shape[0]} tokens and max_query_len {meta.max_query_len}"
+                )
+        self.decode = self.queries is not None
         self._host_lists = host
         self._origins = origins
         self._plans: dict[tuple[int, bool], CompressPlan] = {}
@@ -67,7 +81,7 @@ class V4Step:
     @property
     def _host(self) -> list:
         """query_start_loc, seq_lens, seq_slots, cached_lens and block_tables as host lists (read on first use;
-        a decode step's own plans never use them)."""
+        a uniform step's own plans never use them)."""
         if self._host_lists is None:
             meta = self.meta
             fields = (meta.query_start_loc, meta.seq_lens, meta.seq_slots, meta.cached_lens, meta.block_tables)
@@ -145,7 +159,7 @@ class V4Step:
         return self._plans[key]
 
     def _plan(self, rate: int, overlap: bool, rows: int) -> CompressPlan:
-        if self.decode:
+        if self.decode and (self.queries <= rows or rate == 1):  # else tokens of one sequence share state rows
             return self._decode_plan(rate, overlap, rows)
         _, _, _, cached, tables = self._host
         span = 2 * rate if overlap else rate
@@ -175,30 +189,42 @@ class V4Step:
             self._tensor(state_tokens),
         )
 
+    def _token_rows(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A uniform step's tokens, on the device: (row r, its sequence r // q, its index j = r % q among the
+        sequence's tokens, its position p), each [T] int64."""
+        q, r = self.queries, torch.arange(self.num_tokens, device=self.device)
+        return r, r // q, r % q, self.positions.to(torch.int64)
+
     def _decode_plan(self, rate: int, overlap: bool, rows: int) -> CompressPlan:
-        """The plan of a decode step, on the device: sequence b's token (row b, position p) updates the entry
-        of its window w = p // rate, finished or not (see the module docstring), from the state rows of the
-        window's earlier tokens and its own row; it is the newest token, so its state row is written."""
-        span = 2 * rate if overlap else rate
-        batch, per_block = self.meta.num_seqs, self.block_size // rate
-        b = torch.arange(batch, device=self.device)
-        p = self.positions.to(torch.int64)  # [B]
+        """The plan of a uniform step, on the device: token r (sequence b, position p) updates the entry of its
+        window w = p // rate, finished or not (see the module docstring), from the window's tokens up to p:
+        those before the sequence's first token in the step from its state rows, the rest from the step's rows.
+        Every token's state row is written (q <= S, or rate 1, which keeps no state: `_plan` checks)."""
+        q, span, batch = self.queries, 2 * rate if overlap else rate, self.meta.num_seqs
+        per_block = self.block_size // rate
+        r, b, j, p = self._token_rows()
         w = p // rate
         first = (w - 1) * rate if overlap else w * rate
-        tokens = first[:, None] + torch.arange(span, device=self.device)  # [B, span] positions
-        sources = torch.where(tokens == p[:, None], batch * rows + b[:, None], b[:, None] * rows + tokens % rows)
+        tokens = first[:, None] + torch.arange(span, device=self.device)  # [T, span] positions
+        start = (p - j)[:, None]  # the sequence's first position in the step
+        in_step = batch * rows + (r - j)[:, None] + tokens - start  # the step's rows follow the B x S state rows
+        sources = torch.where(tokens >= start, in_step, b[:, None] * rows + tokens % rows)
         valid = (tokens >= 0) & (tokens <= p[:, None])
-        blocks = self.meta.block_tables.gather(1, (w // per_block)[:, None])[:, 0]
+        blocks = self.meta.block_tables[b, w // per_block]
+        written = None
+        if q > 1 and rate > 1:  # the step's newest token in the same window
+            written = r + torch.minimum(rate - 1 - p % rate, q - 1 - j)
         return CompressPlan(
-            batch, torch.where(valid, sources, 0), valid, w * rate, blocks * per_block + w % per_block, b, p % rows, b
-        )
+            r.shape[0], torch.where(valid, sources, 0), valid, w * rate, blocks * per_block + w % per_block,
+            b, p % rows, r, written,
+        )  # fmt: skip
 
     def ring_writes(self, ring_size: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(ring slots, token rows) of the step's tokens that stay in a ring of `ring_size`."""
         if ring_size not in self._rings:
-            if self.decode:  # every token is its sequence's newest
-                rows = torch.arange(self.meta.num_seqs, device=self.device)
-                self._rings[ring_size] = (self.seq_slots * ring_size + self.positions % ring_size, rows)
+            if self.decode and self.queries <= ring_size:  # every token stays: q of a sequence's newest
+                rows, b, _, p = self._token_rows()
+                self._rings[ring_size] = (self.seq_slots[b] * ring_size + p % ring_size, rows)
                 return self._rings[ring_size]
             slots, rows = [], []
             seq_slots = self._host[2]

@@ -135,7 +135,7 @@ def test_graphs_follow_the_block_table_width_in_buckets(hf_v4_checkpoint, monkey
     replayed, llm = _run_v4(checkpoint, capture, 8)
     assert replayed == eager
     graphs = llm.engine.runner.graphs
-    assert {width for _, width in graphs._replays} == {2, 4}
+    assert {width for _, _, width in graphs._replays} == {2, 4}
     assert capture.captures == len(graphs._replays)
     assert [graphs.width_bucket(w) for w in (1, 2, 3, 5, 64, 65)] == [1, 2, 4, 8, 64, 128]
     assert graphs.width_bucket(graphs.max_blocks_per_seq) == graphs.max_blocks_per_seq

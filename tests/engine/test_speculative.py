@@ -217,6 +217,26 @@ def test_plan_verification_admits_slots_while_the_rate_grows():
     assert plan_verification([3, 3], [[0.3, 0.1, 0.05], [0.2, 0.1, 0.0]], jump, 2) == [0, 0]  # never pays
 
 
+def test_padded_verification_picks_the_steps_depth():
+    """Padded steps (each decode padded to the most drafts admitted: a graph-replayed verify step) cost by their
+    depth d alone, so every request verifies min(d, offered): the d of the best expected tokens per second."""
+    from deepinfer_core.engine.speculative import plan_verification
+
+    def linear(t):  # 1 s a step plus 0.1 s a token
+        return 1.0 + 0.1 * t
+
+    survival = [[0.9, 0.5, 0.1], [0.8, 0.05, 0.01], [0.95, 0.9, 0.85]]
+    # three decodes, t = 3 (1 + d): d 0 -> 3 / 1.3 = 2.31; 1 -> 5.65 / 1.6 = 3.53; 2 -> 7.1 / 1.9 = 3.74;
+    # 3 -> 8.06 / 2.2 = 3.66
+    assert plan_verification([3, 3, 3], survival, linear, 3, padded=True) == [2, 2, 2]
+    assert plan_verification([1, 3, 3], survival, linear, 3, padded=True) == [1, 2, 2]  # offered caps it
+    # unpadded, the same costs admit slots one by one, best first: 0.95, 0.9, 0.9, 0.85, 0.8, 0.5 (t = 9: 7.9 /
+    # 1.9 = 4.16), then 0.1 lowers the rate (8 / 2 = 4)
+    assert plan_verification([3, 3, 3], survival, linear, 3) == [2, 1, 3]
+    assert plan_verification([3, 3, 3], survival, lambda t: 1.0 + 10.0 * t, 3, padded=True) == [0, 0, 0]
+    assert plan_verification([3, 3, 3], survival, lambda t: 1.0, 3, padded=True) == [3, 3, 3]  # free tokens
+
+
 def test_acceptance_estimate_counts_a_position_once_the_drafts_before_it_held():
     from deepinfer_core.engine.speculative import AcceptanceEstimate
 

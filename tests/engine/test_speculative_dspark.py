@@ -183,11 +183,11 @@ def test_dspark_through_prefix_hits_preemption_stops_and_max_tokens(checkpoint):
     greedy = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
     seeded = SamplingParams(temperature=0.8, seed=3, max_tokens=27, ignore_eos=True)
     params = [greedy, seeded, greedy, seeded]
-    want = _steered_run(_llm(checkpoint, k=None, num_kv_blocks=9, max_num_seqs=4), prompts, params)
+    want = _steered_run(_llm(checkpoint, k=None, num_kv_blocks=10, max_num_seqs=4), prompts, params)
     stop = want["2"][6]  # request 2 stops at its seventh token (or earlier, where the same token comes first)
     params[2] = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, stop_token_ids=[stop])
     want["2"] = want["2"][: want["2"].index(stop) + 1]
-    spec = _llm(checkpoint, k=4, num_kv_blocks=9, max_num_seqs=4)
+    spec = _llm(checkpoint, k=4, num_kv_blocks=10, max_num_seqs=4)
     got = _steered_run(spec, prompts, params, want)
     assert got == want
     stats = spec.engine.spec_stats

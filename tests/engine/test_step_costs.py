@@ -100,11 +100,13 @@ def test_backends_without_a_timer_get_the_default(tiny_checkpoint):
 
 
 def test_profiled_token_counts_reach_the_largest_step_of_verifies():
-    assert profiled_token_counts(SchedulerConfig(max_num_seqs=4), 3) == [1, 2, 4, 8, 16]
-    assert profiled_token_counts(SchedulerConfig(max_num_seqs=3), 2) == [1, 2, 4, 8, 9]
+    """Powers of two and the top, rounded up to whole sequences of k + 1 tokens."""
+    assert profiled_token_counts(SchedulerConfig(max_num_seqs=4), 3) == [4, 8, 16]
+    assert profiled_token_counts(SchedulerConfig(max_num_seqs=3), 2) == [3, 6, 9]
     assert profiled_token_counts(SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=100), 3)[-1] == 100
     assert profiled_token_counts(SchedulerConfig(max_num_seqs=256), 7)[-1] == MAX_PROFILED_TOKENS
-    assert profiled_token_counts(SchedulerConfig(max_num_seqs=1), 1) == [1, 2]
+    assert profiled_token_counts(SchedulerConfig(max_num_seqs=1), 1) == [2]
+    assert profiled_token_counts(SchedulerConfig(max_num_seqs=8), 0) == [1, 2, 4, 8]  # decode steps
 
 
 class RecordingTimer:

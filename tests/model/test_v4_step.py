@@ -4,6 +4,7 @@ position."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from deepinfer_core.backend.ops import AttentionMetadata
@@ -129,3 +130,71 @@ def test_the_engram_look_back_of_a_decode_step_is_the_host_plans():
     assert sorted(map(tuple, got[1].T.tolist())) == sorted(map(tuple, want[1].T.tolist()))
     assert (got[0] == -1).any(), "no stale or pre-start look-back in the case"
     assert device_step._host_lists is None
+
+
+def _verify_meta(uniform: bool) -> tuple[AttentionMetadata, torch.Tensor]:
+    """Four sequences verifying three tokens each (a token and two drafts) at positions 5..7, 10..12, 0..2 and
+    33..35: windows of 4 and 8 finish inside the step, at its last token or before it, or not at all."""
+    firsts = torch.tensor([5, 10, 0, 33])
+    positions = (firsts[:, None] + torch.arange(3)).flatten()
+    meta = AttentionMetadata(
+        query_start_loc=torch.arange(5) * 3,
+        seq_lens=firsts + 3,
+        block_tables=torch.tensor([[3, -1, -1, -1, -1], [4, 5, -1, -1, -1], [6, -1, -1, -1, -1], [7, 8, 9, 10, 11]]),
+        slot_mapping=torch.arange(12),
+        seq_slots=torch.tensor([2, 0, 3, 1]),
+        window_starts=torch.tensor([4, 0, 0, 34]),
+        cached_lens=torch.tensor([0, 8, 0, 0]),
+        max_query_len=3,
+        uniform_decode=uniform,
+    )
+    return meta, positions
+
+
+def test_a_uniform_verify_step_is_planned_on_the_device_as_the_host_plans_it():
+    """uniform_decode, three tokens a sequence: each window a token falls in gets an entry (finished or not)
+    and every token of one window writes the newest's; the finished windows' entries (their sources), the state,
+    ring and engram writes are the host plan's, and no host list is read."""
+    from deepinfer_core.model.v41_engram import NgramHasher
+
+    device_step, host_step = (V4Step(*_verify_meta(u), BLOCK) for u in (True, False))
+    assert device_step.decode and not host_step.decode
+    positions = device_step.positions
+    for ring in (4, 16):
+        got, want = device_step.ring_writes(ring), host_step.ring_writes(ring)
+        assert sorted(zip(*(t.tolist() for t in got))) == sorted(zip(*(t.tolist() for t in want))), ring
+    for rate, overlap in ((4, True), (4, False), (8, False), (1, False), (2, True)):
+        rows = (2 * rate if overlap else rate) + 6
+        mine, theirs = device_step.compress_plan(rate, overlap, rows), host_step.compress_plan(rate, overlap, rows)
+        assert mine.num_entries == 12
+        written = mine.written if mine.written is not None else torch.arange(12)
+        if rate > 1:
+            assert mine.written is not None
+        # what lands in each slot: the entry of the newest token of the step in that window
+        for token in range(12):
+            newest = written[token]
+            same_window = (positions // rate == positions[token] // rate) & (torch.arange(12) // 3 == token // 3)
+            assert newest == same_window.nonzero().max(), (rate, overlap, token)
+            assert mine.slots[newest] == mine.slots[token]
+        for e in range(theirs.num_entries):  # each finished window: the host's entry is what the device writes
+            token = (mine.slots == theirs.slots[e]).nonzero()[0, 0]
+            source = written[token]
+            assert mine.positions[source] == theirs.positions[e]
+            assert torch.equal(mine.valid[source], theirs.valid[e]), (rate, overlap, e)
+            assert torch.equal(mine.sources[source][theirs.valid[e]], theirs.sources[e][theirs.valid[e]])
+        assert set(mine.slots.tolist()) >= set(theirs.slots.tolist())
+        want = sorted(zip(theirs.state_seqs.tolist(), theirs.state_rows.tolist(), theirs.state_tokens.tolist()))
+        got = sorted(zip(mine.state_seqs.tolist(), mine.state_rows.tolist(), mine.state_tokens.tolist()))
+        assert got == want, (rate, overlap)
+    hasher = NgramHasher.__new__(NgramHasher)  # the look-back plan needs only its lengths
+    hasher.lookback, hasher.span, hasher.rows = 3, 4, 10
+    got, want = hasher._lookback_sources(device_step), hasher._lookback_sources(host_step)
+    assert torch.equal(got[0], want[0])
+    assert sorted(map(tuple, got[1].T.tolist())) == sorted(map(tuple, want[1].T.tolist()))
+    assert device_step._host_lists is None, "a uniform step read the metadata on the host"
+
+
+def test_a_uniform_step_must_hold_max_query_len_tokens_a_sequence():
+    meta, positions = _verify_meta(True)
+    with pytest.raises(ValueError, match="max_query_len tokens for each of its 4 sequences"):
+        V4Step(meta, positions[:-1], BLOCK)

@@ -1,0 +1,138 @@
+"""Verify steps of speculative decoding replayed through `DecodeGraphs`: every sequence padded to the step's most
+tokens (filler tokens that no row checks, written where rejected drafts are), the step planned on the device
+(`uniform_decode`), and the drafter's reads kept from the graph. The output must be plain decoding's, token for
+token, on V3 (paged caches), V4 and V4.1 (rings, compressor and engram states), with drafts that are partly right
+and of varying lengths, and with the draft models (DSpark, V4's MTP) reading the target through the graph.
+
+The capture is test_decode_graphs' stand-in (replay = run the step again over the same static tensors)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from deepinfer_core.backend.registry import discover
+from deepinfer_core.backend.resolve import resolve_backend
+from deepinfer_core.backend.selection import select_backend
+from deepinfer_core.engine.llm import LLM
+from deepinfer_core.engine.runner import ModelRunner
+from deepinfer_core.sampling.params import SamplingParams
+from tests.engine.test_decode_graphs import ReplayByCalling
+from tests.engine.test_speculative_dspark import DSPARK
+from tests.model.v41_checkpoints import SCHEDULES, write_checkpoint
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny tensors: see tests/conftest.py
+
+PARAMS = [
+    SamplingParams(temperature=0, max_tokens=18, ignore_eos=True),
+    SamplingParams(temperature=0.9, seed=4, max_tokens=15, ignore_eos=True),
+    SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+]
+
+
+def _prompts(vocab: int) -> list[list[int]]:
+    return [torch.randint(2, vocab, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (5, 21, 9)]
+
+
+class UnevenDrafts:
+    """Drafts of 0..4 tokens (by how many the request has produced), the first 0..3 of them the plain run's
+    continuation and the rest wrong: a step's sequences verify different numbers of drafts (padding) and keep
+    some (the filler then sits past accepted tokens) or none."""
+
+    def __init__(self, plain: dict[str, tuple[int, ...]]) -> None:
+        self.plain = plain
+
+    def propose_for(self, request, k: int) -> list[int]:
+        done = len(request.output_token_ids)
+        right = list(self.plain[request.request_id][done : done + k])[: done % 4]
+        return (right + [7, 8, 9, 10])[: min(k, done % 5)]
+
+
+def _backend(graphs):
+    backend = resolve_backend(select_backend(discover(), "rowwise_cpu"), dtype=torch.float32, block_size=16)
+    return dataclasses.replace(backend, graphs=graphs)
+
+
+def _generate(path, prompts, graphs=None, speculative=None, proposer=None):
+    llm = LLM(model=str(path), backend=_backend(graphs), num_kv_blocks=48, graph_batch_size=8 if graphs else 0,
+              speculative_config=speculative, progress=False)  # fmt: skip
+    if proposer is not None:
+        llm.engine.scheduler.proposer = proposer
+    outputs = llm.generate(prompts, PARAMS, use_tqdm=False)
+    return {o.request_id: o.outputs[0].token_ids for o in outputs}, llm
+
+
+@pytest.fixture
+def uniform_steps(monkeypatch):
+    """Records (q, the scheduled counts) of every step the runner found uniform."""
+    seen = []
+    original = ModelRunner._uniform_queries
+
+    def spy(self, scheduled):
+        q = original(self, scheduled)
+        if q is not None:
+            seen.append((q, [count for _, count in scheduled]))
+        return q
+
+    monkeypatch.setattr(ModelRunner, "_uniform_queries", spy)
+    return seen
+
+
+def _checkpoint(request, tmp_path_factory):
+    name = request.param
+    if name == "v3":
+        return request.getfixturevalue("tiny_checkpoint"), 128
+    if name == "v4":
+        return request.getfixturevalue("hf_v4_checkpoint")("a").path, 256
+    return write_checkpoint(tmp_path_factory.mktemp("v41-graphs") / name, SCHEDULES[name], seed=3), 338
+
+
+@pytest.fixture(params=["v3", "v4", "groups_and_candidates"])
+def checkpoint(request, tmp_path_factory):
+    return _checkpoint(request, tmp_path_factory)
+
+
+def test_padded_verify_steps_replay_and_give_the_plain_output(checkpoint, uniform_steps):
+    path, vocab = checkpoint
+    prompts = _prompts(vocab)
+    plain, _ = _generate(path, prompts)
+    spec = {"method": "ngram", "num_speculative_tokens": 4}
+    capture = ReplayByCalling()
+    got, llm = _generate(path, prompts, capture, spec, UnevenDrafts(plain))
+    assert got == plain
+    graphs = llm.engine.runner.graphs
+    assert {q for _, q, _ in graphs._replays} > {1}, "no verify step replayed a graph"
+    padded = [(q, counts) for q, counts in uniform_steps if min(counts) < q]
+    assert padded, "no verify step was padded"
+    stats = llm.engine.spec_stats
+    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens  # some drafts kept, some rejected
+
+
+@pytest.fixture(scope="module")
+def dspark_checkpoint(tmp_path_factory):
+    return write_checkpoint(tmp_path_factory.mktemp("dspark-graphs") / "v41", DSPARK, seed=5)
+
+
+@pytest.mark.parametrize("verify", ["fixed", "adaptive"])
+def test_dspark_reads_the_target_through_the_graph(dspark_checkpoint, verify):
+    prompts = _prompts(338)
+    plain, _ = _generate(dspark_checkpoint, prompts)
+    spec = {"method": "dspark", "num_speculative_tokens": 4, "verify": verify}
+    got, llm = _generate(dspark_checkpoint, prompts, ReplayByCalling(), spec)
+    assert got == plain
+    graphs = llm.engine.runner.graphs
+    assert graphs._drafted and all(t.shape[1] == graphs.model.taps.shape[1] for t in graphs._drafted.values())
+    assert llm.engine.spec_stats.num_drafts > 0
+
+
+def test_v4_mtp_reads_the_target_through_the_graph(hf_v4_mtp_checkpoint):
+    prompts = _prompts(256)
+    plain, _ = _generate(hf_v4_mtp_checkpoint.path, prompts)
+    spec = {"method": "mtp", "num_speculative_tokens": 3}
+    got, llm = _generate(hf_v4_mtp_checkpoint.path, prompts, ReplayByCalling(), spec)
+    assert got == plain
+    graphs = llm.engine.runner.graphs
+    assert 4 in {q for _, q, _ in graphs._replays}  # 3 drafts verified (fewer only near max_tokens)
+    assert all(t.dim() == 3 for t in graphs._drafted.values())  # the streams V4's MTP reads
