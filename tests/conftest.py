@@ -14,6 +14,13 @@ import torch
 
 collect_ignore = ["distributions"]
 
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Tests marked `long` run first: under pytest-xdist a worker starts each while the others take the rest,
+    instead of one worker finishing it alone at the end."""
+    items.sort(key=lambda item: item.get_closest_marker("long") is None)  # stable: collection order otherwise
+
+
 DISTRIBUTIONS = Path(__file__).parent / "distributions"
 PLUGINS = Path(__file__).parent.parent / "plugins"
 

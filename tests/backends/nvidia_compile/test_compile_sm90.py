@@ -15,6 +15,7 @@ import pytest
 pytest.importorskip("triton", reason="triton is not installed (tox installs it for the kernel tests)")
 
 
+@pytest.mark.long  # minutes where Triton's cache is cold (a fresh CI machine)
 def test_all_kernels_compile_for_sm90():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     script = Path(__file__).with_name("compile_sm90.py")
