@@ -84,6 +84,7 @@ class DecodeGraphs:
         self._pad_positions = torch.arange(self.max_queries, device=device)
         self._pad_slots = scratch_block * block_size + self._pad_positions
         self._replays: dict[tuple[int, int, int], Callable[[], torch.Tensor]] = {}  # (size, q, width) -> replay
+        self._steps: dict[tuple[int, int, int], Callable[[], torch.Tensor]] = {}  # the captured steps
         self._drafted: dict[tuple[int, int, int], torch.Tensor] = {}  # what the drafter reads, per graph
 
     def fits(self, num_seqs: int, block_table_width: int, queries: int = 1) -> bool:
@@ -128,7 +129,8 @@ class DecodeGraphs:
         key = (size, q, bucket)
         replay = self._replays.get(key)
         if replay is None:
-            replay = self._replays[key] = self.capture.capture(self._step(*key))
+            step = self._steps[key] = self._step(*key)  # held: the graph reads the tensors it closes over
+            replay = self._replays[key] = self.capture.capture(step)
         logits = replay()[:tokens]
         drafted = self._drafted.get(key)
         return logits, None if drafted is None else drafted[:tokens]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import weakref
 
 import pytest
 import torch
@@ -26,7 +27,8 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny tensors: see te
 class ReplayByCalling:
     """A GraphCapture whose 'graph' is the step itself; counts captures and replays. Like a real capture it
     runs the step before capturing (CUDA graphs: warm-up runs), so a step must give the same result when run
-    again on the caches it wrote."""
+    again on the caches it wrote. Like a real graph it does not keep the step alive: a graph replays device work
+    over the tensors the step read, so their owner must hold them (and here, the step)."""
 
     WARMUP_RUNS = 2
 
@@ -38,9 +40,13 @@ class ReplayByCalling:
         self.captures += 1
         for _ in range(self.WARMUP_RUNS):
             step()
+        captured = weakref.ref(step)
+        del step
 
         def replay():
             self.replays += 1
+            step = captured()
+            assert step is not None, "the captured step was freed: a device graph would read freed memory"
             return step()
 
         return replay

@@ -55,3 +55,34 @@ def test_dspark_and_v4_mtp_tokens_are_plain_decodings_on_the_gpu(tmp_path, hf_v4
         spec, got = run({"method": method, "num_speculative_tokens": 4, "verify": verify})
         assert got == want, method
         assert spec.engine.spec_stats.num_draft_tokens > 0, method
+        graphs = spec.engine.runner.graphs
+        assert graphs is not None and max(q for _, q, _ in graphs._replays) > 1, "verify steps ran eagerly"
+
+
+@pytest.mark.parametrize("model", ["v4", "v41"])
+def test_padded_verify_steps_replay_cuda_graphs(tmp_path, hf_v4_checkpoint, model):
+    """Drafts of 0..4 tokens, partly right (tests/engine/test_verify_graphs.py's): verify steps padded to their most
+    tokens replay CUDA graphs, planned on the device, and give plain decoding's tokens."""
+    from tests.engine.test_verify_graphs import UnevenDrafts
+    from tests.model.v41_checkpoints import SCHEDULES, write_checkpoint
+
+    path = hf_v4_checkpoint("a").path if model == "v4" else write_checkpoint(
+        tmp_path / "v41", SCHEDULES["groups_and_candidates"], seed=3)  # fmt: skip
+    prompts = [LOOP, LOOP[2:], list(range(30, 51))]
+    params = [SamplingParams(temperature=0, max_tokens=18, ignore_eos=True),
+              SamplingParams(temperature=0.9, seed=4, max_tokens=15, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)]  # fmt: skip
+
+    def run(speculative, proposer=None):
+        llm = LLM(model=str(path), accelerator="nvidia", dtype="float32", block_size=16, progress=False,
+                  num_kv_blocks=64, speculative_config=speculative)  # fmt: skip
+        if proposer is not None:
+            llm.engine.scheduler.proposer = proposer
+        return llm, {o.request_id: o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)}
+
+    _, want = run(None)
+    spec, got = run({"method": "ngram", "num_speculative_tokens": 4}, UnevenDrafts(want))
+    assert got == want
+    assert {q for _, q, _ in spec.engine.runner.graphs._replays} > {1}, "no verify step replayed a graph"
+    stats = spec.engine.spec_stats
+    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
