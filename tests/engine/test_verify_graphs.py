@@ -13,6 +13,7 @@ import dataclasses
 import pytest
 import torch
 
+from deepinfer_core.backend import StepCostTable
 from deepinfer_core.backend.registry import discover
 from deepinfer_core.backend.resolve import resolve_backend
 from deepinfer_core.backend.selection import select_backend
@@ -60,6 +61,9 @@ def _generate(path, prompts, graphs=None, speculative=None, proposer=None):
               speculative_config=speculative, progress=False)  # fmt: skip
     if proposer is not None:
         llm.engine.scheduler.proposer = proposer
+    scheduler = llm.engine.scheduler
+    if scheduler.step_costs is not None:  # adaptive: set costs (what the CPU timed varies) under which drafts pay
+        scheduler.step_costs, scheduler.decode_costs = StepCostTable((1,), (1.0,)), StepCostTable((1,), (10.0,))
     outputs = llm.generate(prompts, PARAMS, use_tqdm=False)
     return {o.request_id: o.outputs[0].token_ids for o in outputs}, llm
 

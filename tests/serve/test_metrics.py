@@ -4,6 +4,7 @@ requests run on every route, and the per-request log line."""
 from __future__ import annotations
 
 import re
+import time
 
 import httpx
 import pytest
@@ -181,4 +182,7 @@ def test_each_finished_request_is_logged(server, openai_client, stream):
         rf"prompt_tokens={usage.prompt_tokens} "
         rf"generation_tokens={usage.completion_tokens} finish_reason=length latency=\d"
     )
+    deadline = time.monotonic() + 10  # a stream's last chunk reaches the client before its request is logged
+    while not re.search(pattern, server.log()) and time.monotonic() < deadline:
+        time.sleep(0.05)
     assert re.search(pattern, server.log()), server.log()[-2000:]
