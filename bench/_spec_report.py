@@ -84,11 +84,23 @@ def workload(args, config: EngineConfig) -> dict:
 
 
 def step_costs(engine: Engine) -> dict:
-    """The verify-step cost table the adaptive engine profiled at start-up (engine/step_costs.py), if it has one."""
-    table = getattr(engine.scheduler, "step_costs", None)
+    """The step-cost tables the adaptive engine profiled at start-up (engine/step_costs.py), if it has them: verify
+    steps of k + 1 tokens a sequence, decode steps and, where verify steps replay graphs, padded steps by depth d."""
+    scheduler = engine.scheduler
+    table = getattr(scheduler, "step_costs", None)
     if table is None:
         return {"profiled": False, "reason": "the adaptive engine's scheduler has no step_costs table"}
-    return {"profiled": True, "tokens": list(table.tokens), "ms": [1e3 * s for s in table.seconds]}
+
+    def points(table) -> dict:
+        return {"tokens": list(table.tokens), "ms": [1e3 * s for s in table.seconds]}
+
+    report = {"profiled": True, **points(table)}
+    if scheduler.decode_costs is not None:
+        report["decode"] = points(scheduler.decode_costs)
+    padded = getattr(scheduler, "padded_costs", ())
+    report["padded_verify_batch"] = getattr(scheduler, "padded_verify_batch", 0)
+    report["padded_by_depth"] = {str(d): points(t) for d, t in enumerate(padded, start=1)}
+    return report
 
 
 def git_head() -> str | None:

@@ -7,9 +7,10 @@ verification at 16-96 sequences; decode tokens/s, drafts verified per step, JSON
 
 Real: the model (DeepSeek-V4.1 at its released width, 5 layers, 32 experts, bf16, random weights generated on the
 device as gpu_decode.py --model v41 builds it, bench/_gpu_v4.py), the engine (scheduler, runner, sampler, caches;
-verify steps of the drafts it is given; the planner with the step-cost table it profiled at start-up) and the time,
-each mode as the engine runs it: speculating, steps run eagerly and are scheduled synchronously; plain decoding
-replays device graphs and is scheduled asynchronously.
+verify steps of the drafts it is given; the planner with the step-cost tables it profiled at start-up) and the time,
+each mode as the engine runs it: speculating, verify steps replay device graphs (every sequence padded to the
+step's most drafts; adaptive verification then picks the step's depth from costs profiled per depth) and are
+scheduled synchronously; plain decoding replays device graphs and is scheduled asynchronously.
 
 SIMULATED: the drafts and how many are accepted. Random weights accept almost no real draft, so a proposer
 (bench/_spec_drafts.py) drafts from the target's own greedy continuation (the plain run of the same prompts): at

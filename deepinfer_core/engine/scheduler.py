@@ -65,6 +65,7 @@ class Scheduler:
         step_costs: StepCostTable | None = None,
         decode_costs: StepCostTable | None = None,
         padded_verify_batch: int = 0,
+        padded_costs: Sequence[StepCostTable] = (),
     ) -> None:
         """lookahead: KV slots a decode needs past its own and its drafts' (a draft model drafting further).
         acceptance: adaptive verification; each step's drafts are cut to `plan_verification`'s choice.
@@ -72,10 +73,12 @@ class Scheduler:
         verification weighs drafts by it, or by `cost_model` without one. decode_costs: the same of steps without
         drafts (a step whose drafts are all cut), if measured apart. padded_verify_batch: steps of decodes only, up
         to this many, pad every sequence to the step's most drafts (the runner replays them from device graphs);
-        adaptive verification then picks each such step's draft depth."""
+        adaptive verification then picks each such step's draft depth, by `padded_costs` where measured (index
+        d - 1: steps of 1 + d tokens a sequence, step_costs.profile_padded_steps)."""
         self.config, self.blocks, self.cost_model, self.step_costs = config, blocks, cost_model, step_costs
         self.proposer, self.num_speculative_tokens, self.lookahead = proposer, num_speculative_tokens, lookahead
         self.acceptance, self.decode_costs, self.padded_verify_batch = acceptance, decode_costs, padded_verify_batch
+        self.padded_costs = tuple(padded_costs)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
 
@@ -168,16 +171,19 @@ class Scheduler:
         base = sum(count for _, count in scheduled) - sum(offered)
         context = max(scheduled[i][0].num_tokens for i in decodes)
 
+        padded = base == len(scheduled) <= self.padded_verify_batch  # one token each besides drafts: all decodes
+
         def step_cost(tokens: int) -> float:
             if tokens == base and self.decode_costs is not None:  # no draft verified: a plain decode step
                 return self.decode_costs.cost(tokens)
+            if padded and self.padded_costs:  # base (1 + d) tokens: depth d
+                return self.padded_costs[tokens // base - 2].cost(tokens)
             if self.step_costs is not None:
                 return self.step_costs.cost(tokens)
             return self.cost_model.cost(tokens, context)
 
         estimate = self.acceptance.survival()  # from the acceptance counts so far, where no draft model says
         survival = [draft_survival(scheduled[i][0]) or estimate for i in decodes]
-        padded = base == len(scheduled) <= self.padded_verify_batch  # one token each besides drafts: all decodes
         take = plan_verification(offered, survival, step_cost, base, padded)
         planned = list(scheduled)
         for i, keep in zip(decodes, take):

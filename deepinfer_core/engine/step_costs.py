@@ -25,6 +25,7 @@ __all__ = [
     "MAX_PROFILED_TOKENS",
     "TIMED_RUNS",
     "dummy_verify_step",
+    "profile_padded_steps",
     "profile_verify_steps",
     "profiled_token_counts",
     "scheduler_options",
@@ -89,14 +90,34 @@ def profile_verify_steps(
         )
     tables = []
     for per_sequence, kind in ((1, "decode"), (num_speculative_tokens + 1, "verify")):
-        counts = profiled_token_counts(config, per_sequence - 1)
-        seconds = []
-        for tokens in counts:
-            step = dummy_verify_step(tokens, config.max_num_seqs, blocks.block_size, per_sequence)
-            seconds.append(timer.time(lambda step=step: runner.execute(step).tokens.token_ids, runs=TIMED_RUNS))
-        tables.append(StepCostTable(tuple(counts), tuple(seconds)))
-        log.info("%s step costs (profiled at start-up for adaptive verification): %r", kind, tables[-1])
+        tables.append(_profile(runner, timer, config, blocks.block_size, per_sequence, kind))
     return tables[0], tables[1]
+
+
+def profile_padded_steps(
+    runner: ModelRunner, timer: StepTimer, config: SchedulerConfig, block_size: int, num_speculative_tokens: int
+) -> tuple[StepCostTable, ...]:
+    """For a runner that replays verify steps from device graphs, each sequence padded to the step's most drafts
+    d: per d = 1..k, the costs of steps of B sequences of 1 + d tokens (B up to the graphs' batch), by their
+    tokens; what a padded step costs depends on both (profile_verify_steps' tables are at d = k). Index d - 1."""
+    most = min(config.max_num_seqs, runner.graphs.max_batch)
+    sizes = profiled_token_counts(SchedulerConfig(max_num_seqs=most, max_num_batched_tokens=most), 0)
+    return tuple(
+        _profile(runner, timer, config, block_size, 1 + d, f"padded verify (d = {d})", [b * (1 + d) for b in sizes])
+        for d in range(1, num_speculative_tokens + 1)
+    )
+
+
+def _profile(runner, timer, config, block_size: int, per_sequence: int, kind: str, counts=None) -> StepCostTable:
+    """The table of dummy steps of per_sequence tokens a sequence, at `counts` tokens (profiled_token_counts')."""
+    counts = counts or profiled_token_counts(config, per_sequence - 1)
+    seconds = []
+    for tokens in counts:
+        step = dummy_verify_step(tokens, config.max_num_seqs, block_size, per_sequence)
+        seconds.append(timer.time(lambda step=step: runner.execute(step).tokens.token_ids, runs=TIMED_RUNS))
+    table = StepCostTable(tuple(counts), tuple(seconds))
+    log.info("%s step costs (profiled at start-up for adaptive verification): %r", kind, table)
+    return table
 
 
 def scheduler_options(
@@ -115,6 +136,12 @@ def scheduler_options(
             "acceptance": AcceptanceEstimate(spec.num_speculative_tokens),
             "step_costs": verify,
             "decode_costs": decode,
-            "padded_verify_batch": runner.graphs.max_batch if runner.graphs is not None else 0,
         }
+        if runner.graphs is not None:  # verify steps of up to its batch are padded: their costs go by depth
+            options |= {
+                "padded_verify_batch": runner.graphs.max_batch,
+                "padded_costs": profile_padded_steps(
+                    runner, timer, config, blocks.block_size, spec.num_speculative_tokens
+                ),
+            }
     return options

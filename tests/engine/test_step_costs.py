@@ -181,3 +181,62 @@ def test_after_profiling_a_model_with_per_sequence_caches_keeps_its_output():
     spec, got = run({"method": "ngram", "num_speculative_tokens": 3, "verify": "adaptive"})
     assert got == run(None)[1]
     assert spec.engine.spec_stats.num_draft_tokens > 0
+
+
+def _graph_llm(tiny_checkpoint, speculative):
+    """rowwise_cpu with test_decode_graphs' stand-in capture: verify steps are padded and 'replayed'."""
+    import dataclasses
+
+    from deepinfer_core.backend.registry import discover
+    from deepinfer_core.backend.resolve import resolve_backend
+    from deepinfer_core.backend.selection import select_backend
+    from tests.engine.test_decode_graphs import ReplayByCalling
+
+    backend = resolve_backend(select_backend(discover(), "rowwise_cpu"), dtype=torch.float32, block_size=16)
+    backend = dataclasses.replace(backend, graphs=ReplayByCalling())
+    return LLM(model=tiny_checkpoint, backend=backend, progress=False, max_num_seqs=5, graph_batch_size=4,
+               speculative_config=speculative)  # fmt: skip
+
+
+def test_padded_verify_steps_are_profiled_by_depth(tiny_checkpoint, monkeypatch):
+    """With graphs, a table per draft depth d = 1..k: steps of B sequences (up to the graphs' batch, 4 here, not
+    max_num_seqs) of 1 + d tokens each, every one run with those tokens (padding adds none)."""
+    timer = RecordingTimer()
+    monkeypatch.setattr(WallClockStepTimer, "time", lambda self, step, runs=2: timer.time(step, runs))
+    llm = _graph_llm(tiny_checkpoint, ADAPTIVE)
+    scheduler = llm.engine.scheduler
+    assert scheduler.padded_verify_batch == 4
+    tables = scheduler.padded_costs
+    assert [table.tokens for table in tables] == [(2, 4, 8), (3, 6, 12), (4, 8, 16)]  # B = 1, 2, 4
+    decodes, verifies = profiled_token_counts(llm.engine.config.scheduler, 0), profiled_token_counts(
+        llm.engine.config.scheduler, 3)  # fmt: skip
+    assert timer.sampled == decodes + verifies + [t for table in tables for t in table.tokens]
+    assert llm.engine.runner.graphs._replays, "the profiled steps did not go through the graphs"
+
+
+def test_padded_steps_verify_to_the_depth_their_costs_pick(tiny_checkpoint):
+    """A decode-only step within the graphs' batch is planned by depth: each request verifies min(d, offered)
+    drafts, d the depth whose table gives the best rate; here depth 2's steps cost as little as depth 1's and
+    depth 3's twice as much. The output stays plain decoding's."""
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    want = LLM(model=tiny_checkpoint, accelerator="rowwise_cpu", progress=False).generate(
+        [LOOP, LOOP[3:]], params, use_tqdm=False)  # fmt: skip
+    llm = _graph_llm(tiny_checkpoint, ADAPTIVE)
+    scheduler = llm.engine.scheduler
+    scheduler.acceptance.survival = lambda: [0.9, 0.8, 0.7]  # steady, whatever the run accepts
+    scheduler.decode_costs = StepCostTable((1, 64), (1.0, 1.0))
+    cheap, dear = StepCostTable((1, 64), (1.0, 1.0)), StepCostTable((1, 64), (2.0, 2.0))
+    scheduler.padded_costs = (cheap, cheap, dear)
+    verified, original = [], scheduler._plan_drafts
+
+    def plan(scheduled):
+        planned = original(scheduled)
+        verified.append([len(request.draft_token_ids) for request, _ in planned])
+        return planned
+
+    scheduler._plan_drafts = plan
+    got = llm.generate([LOOP, LOOP[3:]], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    offered = [drafts for drafts in verified if any(drafts)]
+    assert offered and all(max(drafts) <= 2 for drafts in verified)
+    assert any(max(drafts) == 2 for drafts in verified)
