@@ -22,6 +22,7 @@ from __future__ import annotations
 import itertools
 import logging
 import random
+import time
 from collections.abc import Sequence
 from dataclasses import replace
 
@@ -234,9 +235,12 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """Run one step; report every request that got a token (or finished). With asynchronous
         scheduling the tokens reported are those of the step issued by the previous call."""
+        started = time.perf_counter()
         launched = self._launch()
         if not self.async_scheduling:
-            return self._finalize(launched) if launched else []
+            outputs = self._finalize(launched) if launched else []
+            self.scheduler.record_step_time(time.perf_counter() - started)  # adaptive verification learns from it
+            return outputs
         previous, self._in_flight = self._in_flight, launched
         return self._finalize(previous) if previous else []
 

@@ -52,6 +52,9 @@ class ScheduledStep:
         return sum(n for _, n in self.requests)
 
 
+OVERHEAD_WEIGHT = 0.1  # of each planned step's time gap in the running step_overhead
+
+
 class Scheduler:
     def __init__(
         self,
@@ -79,6 +82,10 @@ class Scheduler:
         self.proposer, self.num_speculative_tokens, self.lookahead = proposer, num_speculative_tokens, lookahead
         self.acceptance, self.decode_costs, self.padded_verify_batch = acceptance, decode_costs, padded_verify_batch
         self.padded_costs = tuple(padded_costs)
+        # seconds a planned step takes beyond its table cost (the engine's own work around the runner: planning,
+        # reading tokens back, stop checks), learned from the steps run (record_step_time); added to every cost
+        self.step_overhead = 0.0
+        self._predicted: float | None = None  # the table cost of the step last planned, until its time comes
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
 
@@ -119,7 +126,16 @@ class Scheduler:
         request.num_preemptions += 1
         self.waiting.appendleft(request)
 
+    def record_step_time(self, seconds: float) -> None:
+        """The wall time of the step last scheduled, from its planning to its tokens' report: where adaptive
+        verification planned it, the gap to its table cost moves `step_overhead` (a running mean)."""
+        if self._predicted is not None:
+            gap = seconds - self._predicted
+            self.step_overhead = max(0.0, self.step_overhead + OVERHEAD_WEIGHT * (gap - self.step_overhead))
+        self._predicted = None
+
     def schedule(self) -> ScheduledStep:
+        self._predicted = None
         budget = self.config.max_num_batched_tokens
         scheduled: list[tuple[Request, int]] = []
         preempted = 0
@@ -184,7 +200,9 @@ class Scheduler:
 
         estimate = self.acceptance.survival()  # from the acceptance counts so far, where no draft model says
         survival = [draft_survival(scheduled[i][0]) or estimate for i in decodes]
-        take = plan_verification(offered, survival, step_cost, base, padded)
+        overhead = self.step_overhead
+        take = plan_verification(offered, survival, lambda tokens: step_cost(tokens) + overhead, base, padded)
+        self._predicted = step_cost(base * (1 + max(take)) if padded else base + sum(take))
         planned = list(scheduled)
         for i, keep in zip(decodes, take):
             request, count = scheduled[i]

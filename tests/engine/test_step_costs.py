@@ -240,3 +240,35 @@ def test_padded_steps_verify_to_the_depth_their_costs_pick(tiny_checkpoint):
     offered = [drafts for drafts in verified if any(drafts)]
     assert offered and all(max(drafts) <= 2 for drafts in verified)
     assert any(max(drafts) == 2 for drafts in verified)
+
+
+def test_the_planner_learns_the_time_a_step_takes_beyond_its_table(tiny_checkpoint):
+    """Steps that take longer than their table says (the engine's own work around the runner) raise
+    step_overhead, which favours verifying more drafts a step: with a table where each depth costs 10% more than
+    the one before, and acceptance falling, depth 1 is planned first; a learned second of overhead makes every
+    step's cost nearly the same, and the deepest depth pays."""
+    llm = _graph_llm(tiny_checkpoint, ADAPTIVE)
+    scheduler = llm.engine.scheduler
+    scheduler.acceptance.survival = lambda: [0.6, 0.3, 0.15]
+    scheduler.decode_costs = StepCostTable((1, 64), (1.0, 1.0))
+    scheduler.padded_costs = tuple(StepCostTable((1, 64), (1.0 + 0.1 * d,) * 2) for d in (1, 2, 3))
+    for prompt in ([1, 2, 3, 4], [5, 6, 7, 8]):
+        llm.engine.add_request(str(prompt[0]), prompt, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    llm.engine.step()  # the prefills
+    scheduler.proposer = type("Three", (), {"propose_for": lambda self, request, k: [9, 9, 9]})()
+
+    def depth() -> int:  # the drafts verified by the deepest request of the step planned now
+        return max(len(request.draft_token_ids) for request, _ in scheduler.schedule().requests)
+
+    # rates (2 + 2 s) / cost: d 0 -> 2 / 1 = 2, d 1 -> 3.2 / 1.1 = 2.91, d 2 -> 3.8 / 1.2 = 3.17, d 3 -> 4.1 / 1.3
+    # = 3.15: depth 2; with a second added to every cost: 2 / 2, 3.2 / 2.1, 3.8 / 2.2, 4.1 / 2.3 = 1.78: depth 3
+    assert depth() == 2
+    predicted = scheduler._predicted
+    assert predicted == pytest.approx(1.2)
+    for _ in range(100):  # steps that take a second more than their tables say
+        scheduler._predicted = predicted
+        scheduler.record_step_time(predicted + 1.0)
+    assert scheduler.step_overhead == pytest.approx(1.0, abs=1e-3)
+    assert depth() == 3
+    scheduler.record_step_time(0.0)  # faster than the table: the overhead falls, never below 0
+    assert 0.0 <= scheduler.step_overhead < 1.0
