@@ -13,7 +13,9 @@ Graphs are captured per padded batch size, per q and per block-table width bucke
 MIN_WIDTH blocks up to the longest sequence's): work that a static shape must size by the table's width
 (DeepSeek-V4's indexer scores every entry slot the table can hold) then follows the batch's context, not
 max_model_len. With a draft model the graph runs the target's forward through the drafter's `target_forward`
-and keeps what the drafter reads of every position (static storage as well).
+and keeps what the drafter reads of every position (static storage as well); after sampling, `draft` replays a
+second graph of the same key: the drafter's catch-up over the step and its k drafts from each sequence's last
+accepted position (acceptance counted in the graph from the sampled tokens, which the caller copies in).
 """
 
 from __future__ import annotations
@@ -62,6 +64,7 @@ class DecodeGraphs:
         drafter=None,
     ) -> None:
         self.capture, self.model, self.caches, self.drafter = capture, model, list(caches), drafter
+        self.num_model_caches, self.model_block_size = len(model.cache_specs), block_size  # the drafter's follow
         self.sizes = capture_sizes(max_batch)
         self.max_batch = max_batch
         self.max_blocks_per_seq = max_blocks_per_seq
@@ -86,6 +89,15 @@ class DecodeGraphs:
         self._replays: dict[tuple[int, int, int], Callable[[], torch.Tensor]] = {}  # (size, q, width) -> replay
         self._steps: dict[tuple[int, int, int], Callable[[], torch.Tensor]] = {}  # the captured steps
         self._drafted: dict[tuple[int, int, int], torch.Tensor] = {}  # what the drafter reads, per graph
+        # the draft graphs: their inputs (the step's sampled tokens in its rows, each sequence's drafts verified and
+        # last position), replays, and what the drafter's confidence head gave, if it has one
+        self._sampled = zeros(longest)
+        self._num_drafts, self._limits = zeros(seqs), zeros(seqs)
+        self._pad_limit = block_size - 1  # a padding row's drafts stay in the scratch block
+        self._draft_replays: dict[tuple[int, int, int], Callable[[], torch.Tensor]] = {}
+        self._draft_steps: dict[tuple[int, int, int], Callable[[], torch.Tensor]] = {}
+        self._confidence: dict[tuple[int, int, int], torch.Tensor] = {}
+        self._last: tuple[tuple[int, int, int], int] | None = None  # the key and batch of the last run
 
     def fits(self, num_seqs: int, block_table_width: int, queries: int = 1) -> bool:
         return (
@@ -132,8 +144,60 @@ class DecodeGraphs:
             step = self._steps[key] = self._step(*key)  # held: the graph reads the tensors it closes over
             replay = self._replays[key] = self.capture.capture(step)
         logits = replay()[:tokens]
+        self._last = key, batch
         drafted = self._drafted.get(key)
         return logits, None if drafted is None else drafted[:tokens]
+
+    def draft(
+        self, sampled: torch.Tensor, num_drafts: torch.Tensor, limits: torch.Tensor, k: int
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """After `run` (with a drafter): sampled [B * q] (the token sampled at each row of the step, 0 at filler
+        rows), num_drafts [B] (each sequence's drafts verified), limits [B] (the last position its blocks and the
+        model hold) -> (drafts [B, k], confidences [B, k] or None), replayed from the draft graph of that step."""
+        key, batch = self._last
+        size, q, _ = key
+        tokens = batch * q
+        self._sampled[:tokens].copy_(sampled)
+        self._sampled[tokens : size * q].zero_()
+        self._num_drafts[:batch].copy_(num_drafts)
+        self._num_drafts[batch:size].zero_()
+        self._limits[:batch].copy_(limits)
+        self._limits[batch:size].fill_(self._pad_limit)
+        replay = self._draft_replays.get(key)
+        if replay is None:
+            step = self._draft_steps[key] = self._draft_step(key, k)  # held, as the target's steps are
+            replay = self._draft_replays[key] = self.capture.capture(step)
+        drafts = replay()[:batch]
+        confidence = self._confidence.get(key)
+        return drafts, None if confidence is None else confidence[:batch]
+
+    def _draft_step(self, key: tuple[int, int, int], k: int) -> Callable[[], torch.Tensor]:
+        from deepinfer_core.model.mtp import DraftInputs  # a model module: needed only with a drafter
+
+        size, q, _ = key
+        target = self._steps[key]
+        device = self._sampled.device
+        rows = torch.arange(size * q, device=device)  # every row "sampled": the filler's are never read
+        first = torch.arange(size, device=device) * q
+        seqs = torch.arange(size, device=device)
+        checked = torch.arange(q - 1, device=device)
+
+        def step() -> torch.Tensor:
+            sampled = self._sampled[: size * q]
+            inputs = self._token_ids[: size * q].view(size, q)
+            # a sequence keeps its leading drafts that equal the token sampled before them
+            matches = (sampled.view(size, q)[:, :-1] == inputs[:, 1:]) & (checked < self._num_drafts[:size, None])
+            accepted = matches.to(torch.int64).cumprod(dim=1).sum(dim=1)
+            step_inputs = DraftInputs(
+                sampled, target.positions, self._drafted[key], target.meta, rows, first, seqs, accepted,
+                self._limits[:size], self.model_block_size,
+            )  # fmt: skip
+            drafts = self.drafter.draft(step_inputs, self.caches[self.num_model_caches :], k)
+            if isinstance(drafts, tuple):  # a confidence head (DSpark)
+                drafts, self._confidence[key] = drafts
+            return drafts
+
+        return step
 
     def width_bucket(self, width: int) -> int:
         """The block-table width of the graphs that serve a step whose table is `width` blocks wide."""
@@ -160,4 +224,5 @@ class DecodeGraphs:
                                                                      self.caches)  # fmt: skip
             return self.model.logits(hidden)
 
+        step.positions, step.meta = positions, meta  # what the draft graph of the same key reads
         return step

@@ -291,10 +291,8 @@ class ModelRunner:
         """run_model's results and what a drafter reads of the step (`target_forward`; without one the final
         hidden states [T, D], or None when a device graph ran the step)."""
         meta = batch.meta
-        graphs = self.graphs
-        if meta.uniform_decode and graphs is not None and graphs.fits(meta.num_seqs, meta.block_tables.shape[1],
-                                                                       meta.max_query_len):  # fmt: skip
-            logits, drafted = graphs.run(batch.token_ids, batch.positions, meta)  # [T, V], rows in step order
+        if self._replayed(meta):
+            logits, drafted = self.graphs.run(batch.token_ids, batch.positions, meta)  # [T, V], rows in step order
             if meta.max_query_len > 1:  # a verify step: padding rows are sampled by none
                 logits = logits[batch.last_token_index]
             return self._processed_logits(logits, batch).float(), [], drafted
@@ -308,6 +306,15 @@ class ModelRunner:
             return hidden.new_empty((0, self.model.config.vocab_size), dtype=torch.float32), prompt, drafted
         logits = self.model.logits(hidden[batch.last_token_index])  # [S, V]
         return self._processed_logits(logits, batch).float(), prompt, drafted
+
+    def _replayed(self, meta: AttentionMetadata) -> bool:
+        """Whether a step of `meta` replays a device graph (a uniform step that fits the captured shapes)."""
+        graphs = self.graphs
+        return (
+            meta.uniform_decode
+            and graphs is not None
+            and graphs.fits(meta.num_seqs, meta.block_tables.shape[1], meta.max_query_len)
+        )
 
     def _prompt_logprobs(self, hidden: torch.Tensor, span: PromptSpan) -> PromptLogprobs:
         """Logprobs of a span's prompt tokens and their top `prompt_logprobs` alternatives, from hidden [T, D]."""
@@ -407,6 +414,10 @@ class ModelRunner:
         from deepinfer_core.model.mtp import DraftInputs  # a model module: the runner needs it only here
 
         d = batch.drafting
+        meta = batch.meta
+        if sampled is not None and self._replayed(meta):  # the target ran in a graph: draft in its draft graph
+            padded = torch.zeros_like(batch.token_ids).index_put_((batch.last_token_index,), sampled)
+            return self.graphs.draft(padded, d.num_drafts, d.position_limit, self.num_draft_tokens)
         next_ids = d.next_ids.clone()
         caches = self.caches[len(self.model.cache_specs) :]  # the drafter's, after the model's
         if sampled is None:  # nothing sampled: catch up only

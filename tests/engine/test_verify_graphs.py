@@ -2,7 +2,8 @@
 tokens (filler tokens that no row checks, written where rejected drafts are), the step planned on the device
 (`uniform_decode`), and the drafter's reads kept from the graph. The output must be plain decoding's, token for
 token, on V3 (paged caches), V4 and V4.1 (rings, compressor and engram states), with drafts that are partly right
-and of varying lengths, and with the draft models (DSpark, V4's MTP) reading the target through the graph.
+and of varying lengths, and with the draft models (DSpark, V4's MTP) reading the target through the graph and
+drafting in a graph of their own (catch-up, acceptance and drafts).
 
 The capture is test_decode_graphs' stand-in (replay = run the step again over the same static tensors)."""
 
@@ -128,6 +129,7 @@ def test_dspark_reads_the_target_through_the_graph(dspark_checkpoint, verify):
     assert got == plain
     graphs = llm.engine.runner.graphs
     assert graphs._drafted and all(t.shape[1] == graphs.model.taps.shape[1] for t in graphs._drafted.values())
+    assert set(graphs._draft_replays) == set(graphs._replays) and graphs._confidence  # drafts replayed too
     assert llm.engine.spec_stats.num_drafts > 0
 
 
@@ -140,3 +142,65 @@ def test_v4_mtp_reads_the_target_through_the_graph(hf_v4_mtp_checkpoint):
     graphs = llm.engine.runner.graphs
     assert 4 in {q for _, q, _ in graphs._replays}  # 3 drafts verified (fewer only near max_tokens)
     assert all(t.dim() == 3 for t in graphs._drafted.values())  # the streams V4's MTP reads
+    assert set(graphs._draft_replays) == set(graphs._replays) and not graphs._confidence
+
+
+def test_v3_mtp_drafts_in_a_graph(mtp_checkpoint):
+    """DeepSeek-V3's MTP layer (paged caches only): the chained drafts of the draft graph, the plain output."""
+    prompts = _prompts(128)
+    plain, _ = _generate(mtp_checkpoint, prompts)
+    got, llm = _generate(mtp_checkpoint, prompts, ReplayByCalling(), {"method": "mtp", "num_speculative_tokens": 3})
+    assert got == plain
+    graphs = llm.engine.runner.graphs
+    assert 4 in {q for _, q, _ in graphs._draft_replays} and set(graphs._draft_replays) == set(graphs._replays)
+    assert llm.engine.spec_stats.num_drafts > 0
+
+
+def _draft_trace(llm: LLM, prompts, plain: dict[str, tuple[int, ...]]) -> list[dict]:
+    """Each request's drafts and their confidences after every step of a run of `prompts`; each step then verifies
+    UnevenDrafts' instead (0..3, partly the `plain` continuation's), so the drafter also drafts after accepted drafts
+    (random weights' own are all rejected) and from padded steps."""
+    engine, trace = llm.engine, []
+    for i, (prompt, params) in enumerate(zip(prompts, PARAMS)):
+        engine.add_request(str(i), prompt, params)
+    steer = UnevenDrafts(plain)
+    while engine.has_unfinished():
+        engine.step()
+        running = [(rid, group.samples[0]) for rid, group in engine._requests.items() if not group.samples[0].finished]
+        trace.append({rid: (list(r.next_draft_token_ids), list(r.next_draft_confidence)) for rid, r in running})
+        for _, request in running:
+            if request.next_draft_token_ids:
+                request.next_draft_token_ids = steer.propose_for(request, 3)  # 0..3 of them: steps are padded
+    return trace
+
+
+@pytest.mark.parametrize("method", ["dspark", "mtp-v4", "mtp-v3"])
+def test_the_draft_graph_drafts_what_eager_steps_draft(method, dspark_checkpoint, hf_v4_mtp_checkpoint, mtp_checkpoint):
+    """Step by step, the drafts (and DSpark's confidences) made in the draft graph are the eager drafter's: the
+    catch-up over padded rows, the acceptance counted in the graph and the drafts from the last accepted position
+    (rowwise_cpu: batch-invariant, so padding changes no bit)."""
+    path, vocab = {"dspark": (dspark_checkpoint, 338), "mtp-v4": (hf_v4_mtp_checkpoint.path, 256),
+                   "mtp-v3": (mtp_checkpoint, 128)}[method]  # fmt: skip
+    spec = {"method": method.split("-")[0], "num_speculative_tokens": 3}
+    prompts = _prompts(vocab)
+
+    plain, _ = _generate(path, prompts)
+
+    def run(graphs):
+        llm = LLM(model=str(path), backend=_backend(graphs), num_kv_blocks=48, graph_batch_size=8 if graphs else 0,
+                  speculative_config=spec, progress=False)  # fmt: skip
+        return _draft_trace(llm, prompts, plain), llm
+
+    eager, _ = run(None)
+    replayed, llm = run(ReplayByCalling())
+    assert llm.engine.runner.graphs._draft_replays, "no draft graph ran"
+    assert llm.engine.spec_stats.num_accepted_tokens > 0, "no draft accepted: drafting after accepted runs untested"
+    assert [{rid: drafts for rid, (drafts, _) in step.items()} for step in replayed] == [
+        {rid: drafts for rid, (drafts, _) in step.items()} for step in eager
+    ]
+    confidences = [[sure for _, sure in step.values()] for step in replayed]
+    expected = [[sure for _, sure in step.values()] for step in eager]
+    flat = [c for step in confidences for sure in step for c in sure]  # DSpark's head: a product of other shapes
+    assert flat == pytest.approx([c for step in expected for sure in step for c in sure], rel=1e-4, abs=1e-6)
+    assert [[len(s) for s in step] for step in confidences] == [[len(s) for s in step] for step in expected]
+    assert any(drafts for step in eager for drafts, _ in step.values())
