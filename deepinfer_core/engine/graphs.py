@@ -88,7 +88,12 @@ class DecodeGraphs:
         self._pad_slots = scratch_block * block_size + self._pad_positions
         self._replays: dict[tuple[int, int, int], Callable[[], torch.Tensor]] = {}  # (size, q, width) -> replay
         self._steps: dict[tuple[int, int, int], Callable[[], torch.Tensor]] = {}  # the captured steps
-        self._drafted: dict[tuple[int, int, int], torch.Tensor] = {}  # what the drafter reads, per graph
+        # every graph's outputs are copied into these, allocated at the first capture: a graph then keeps nothing
+        # of its own past its capture, and all of them share one pool (a graph per size, q and width bucket would
+        # otherwise each hold its logits [size q, V])
+        self._logits: torch.Tensor | None = None  # [longest, V] float32
+        self._drafted: torch.Tensor | None = None  # [longest, ...]: what the drafter reads of each row
+        self._longest = longest
         # the draft graphs: their inputs (the step's sampled tokens in its rows, each sequence's drafts verified and
         # last position), replays, and what the drafter's confidence head gave, if it has one
         self._sampled = zeros(longest)
@@ -145,8 +150,7 @@ class DecodeGraphs:
             replay = self._replays[key] = self.capture.capture(step)
         logits = replay()[:tokens]
         self._last = key, batch
-        drafted = self._drafted.get(key)
-        return logits, None if drafted is None else drafted[:tokens]
+        return logits, None if self._drafted is None else self._drafted[:tokens]
 
     def draft(
         self, sampled: torch.Tensor, num_drafts: torch.Tensor, limits: torch.Tensor, k: int
@@ -189,7 +193,7 @@ class DecodeGraphs:
             matches = (sampled.view(size, q)[:, :-1] == inputs[:, 1:]) & (checked < self._num_drafts[:size, None])
             accepted = matches.to(torch.int64).cumprod(dim=1).sum(dim=1)
             step_inputs = DraftInputs(
-                sampled, target.positions, self._drafted[key], target.meta, rows, first, seqs, accepted,
+                sampled, target.positions, self._drafted[: size * q], target.meta, rows, first, seqs, accepted,
                 self._limits[:size], self.model_block_size,
             )  # fmt: skip
             drafts = self.drafter.draft(step_inputs, self.caches[self.num_model_caches :], k)
@@ -219,10 +223,21 @@ class DecodeGraphs:
 
         def step() -> torch.Tensor:
             if self.drafter is None:
-                return self.model.logits(self.model.forward(token_ids, positions, meta, self.caches))  # [size q, V]
-            hidden, self._drafted[key] = self.drafter.target_forward(self.model, token_ids, positions, meta,
-                                                                     self.caches)  # fmt: skip
-            return self.model.logits(hidden)
+                hidden = self.model.forward(token_ids, positions, meta, self.caches)
+            else:
+                hidden, drafted = self.drafter.target_forward(self.model, token_ids, positions, meta, self.caches)
+                self._drafted = self._static(self._drafted, drafted)
+                self._drafted[: size * q].copy_(drafted)
+            logits = self.model.logits(hidden)  # [size q, V]
+            self._logits = self._static(self._logits, logits)
+            return self._logits[: size * q].copy_(logits)
 
         step.positions, step.meta = positions, meta  # what the draft graph of the same key reads
         return step
+
+    def _static(self, buffer: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
+        """`buffer`, or (at the first capture, before any graph holds it) a new one of `like`'s row shape and dtype
+        for the longest step."""
+        if buffer is None:
+            buffer = like.new_empty((self._longest, *like.shape[1:]))
+        return buffer

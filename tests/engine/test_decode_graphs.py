@@ -84,8 +84,13 @@ def test_replayed_decode_steps_match_eager_bit_for_bit(tiny_checkpoint, graph_ba
     capture = ReplayByCalling()
     replayed, llm = _run(tiny_checkpoint, capture, graph_batch_size)
     assert capture.replays > 10, "decode steps did not go through the graphs"
-    assert capture.captures == len(llm.engine.runner.graphs._replays)  # one per padded size and width used
+    graphs = llm.engine.runner.graphs
+    assert capture.captures == len(graphs._replays)  # one per padded size and width used
     assert replayed == eager
+    # every graph copies its logits into one buffer: none keeps its own past its capture
+    with torch.inference_mode():
+        outputs = {step().data_ptr() for step in graphs._steps.values()}
+    assert outputs == {graphs._logits.data_ptr()} and len(graphs._steps) > 1
 
 
 def test_padding_rows_write_the_scratch_block(tiny_checkpoint):
