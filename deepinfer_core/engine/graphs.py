@@ -219,7 +219,6 @@ class DecodeGraphs:
             max_query_len=q, uniform_decode=True, **per_sequence,
         )  # fmt: skip
         token_ids, positions = self._token_ids[: size * q], self._positions[: size * q]
-        key = (size, q, width)
 
         def step() -> torch.Tensor:
             if self.drafter is None:
