@@ -153,10 +153,16 @@ def random_weights(family: Family, cfg, device: torch.device, dtype: torch.dtype
     biases / compressor position biases N(0, 0.5), matrices N(0, 1/fan_in), the hash-routing tables distinct
     random experts per token. Drawn in `dtype`, then widened where the model keeps float32 (routers, mixers,
     sinks), so that transformers, which keeps some of them in `dtype`, sees the same values."""
+    return random_tensors(family.expected_weights(cfg), family.float32_weights, cfg, device, dtype, seed)
+
+
+def random_tensors(shapes: dict, float32_weights: re.Pattern, cfg, device: torch.device, dtype: torch.dtype,
+                   seed: int) -> dict:  # fmt: skip
+    """random_weights' draws for the tensors `shapes` names (float32 where `float32_weights` matches)."""
     generator = torch.Generator(device=device).manual_seed(seed)
     weights = {}
     with torch.no_grad():
-        for name, shape in family.expected_weights(cfg).items():
+        for name, shape in shapes.items():
             if name.endswith("tid2eid"):
                 scores = torch.rand((shape[0], cfg.n_routed_experts), generator=generator, device=device)
                 weights[name] = scores.argsort(dim=1)[:, : shape[1]].contiguous()
@@ -166,7 +172,7 @@ def random_weights(family: Family, cfg, device: torch.device, dtype: torch.dtype
             else:
                 tensor = torch.randn(shape, generator=generator, device=device, dtype=dtype)
                 tensor *= 0.5 if name.endswith(_HALF_NORMAL) else shape[-1] ** -0.5
-            weights[name] = tensor.float() if family.float32_weights.search(name) else tensor
+            weights[name] = tensor.float() if float32_weights.search(name) else tensor
     return weights
 
 

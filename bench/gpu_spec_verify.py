@@ -64,9 +64,21 @@ from deepinfer_core.backend.selection import select_backend  # noqa: E402
 from deepinfer_core.engine.engine import Engine, EngineConfig  # noqa: E402
 from deepinfer_core.engine.scheduler import SchedulerConfig  # noqa: E402
 from deepinfer_core.engine.speculative import SpeculativeConfig  # noqa: E402
+from deepinfer_core.model.dspark import DSparkDrafter, dspark_weight_shapes  # noqa: E402
 from deepinfer_core.sampling.params import SamplingParams  # noqa: E402
 
 MODES = ("plain", "fixed", "adaptive")
+# --drafter dspark: DSpark's released shape (3 stages, block 5, Markov rank 256, top-3) with 32 of its 128 experts
+# (as the backbone keeps 32 of 384), reading the stream means of backbone layers 1, 2 and 4
+DSPARK = {"num_nextn_predict_layers": 3, "dspark_target_layer_ids": [1, 2, 4], "dspark_n_routed_experts": 32}
+DSPARK_TINY = {**DSPARK, "dspark_n_routed_experts": 8, "dspark_num_experts_per_tok": 2, "dspark_noise_token_id": 5,
+               "dspark_markov_rank": 8}  # fmt: skip
+DRAFTERS = {
+    "none": "no draft model runs: the drafts cost no device time",
+    "dspark": "DSpark draft layers (random weights) run every step, in the speculative engines' draft graphs where "
+    "the target step replayed one: catch-up and a block of k drafts; their drafts are then replaced by the profile "
+    "drafts, so the acceptance is still SIMULATED but the drafter's time is real",
+}
 SPECULATIVE = ("fixed", "adaptive")
 DEEPSEEK_REPORTED = (
     "DeepSeek's adaptive verification with DSpark drafts, as quoted in bench/README.md (spec_planner_sim.py's "
@@ -99,6 +111,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--warmup-tokens", type=int, help="tokens of the untimed run at each batch (default 16; tiny 8)")
     p.add_argument("--repeats", type=int, help="timed rounds per batch, fresh prompts each (default 3; tiny 1)")
     p.add_argument("--k", type=int, default=5, help="drafts per request (DSpark's block: 5)")
+    p.add_argument(
+        "--drafter",
+        choices=("none", "dspark"),
+        default="none",
+        help="dspark: the speculative engines also run DSpark draft layers (random weights, 3 stages, 32 experts) "
+        "every step; the profile drafts replace their drafts, not their cost",
+    )
     p.add_argument("--spread", type=float, default=0.6, help="how much a position's difficulty moves acceptance")
     p.add_argument("--oracle-horizon", type=int, default=16, help="tokens a refreshed continuation runs ahead")
     p.add_argument("--seed", type=int, default=0)
@@ -122,6 +141,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     started = perf_counter()
     family, raw = models.FAMILIES["v41"], models.CONFIGS["v41"][1 if args.tiny else 0]
+    if args.drafter == "dspark":
+        raw = {**raw, **(DSPARK_TINY if args.tiny else DSPARK)}
     cfg = family.parse(raw)
     dtype = torch.float32 if args.tiny else torch.bfloat16
     entry = select_backend(discover(), args.accelerator)
@@ -138,7 +159,14 @@ def main(argv: list[str] | None = None) -> int:
     t0 = perf_counter()
     model, _ = models.build_ours(family, cfg, models.random_weights(family, cfg, device, dtype, args.seed), backend)
     build = {"model_s": perf_counter() - t0}
-    systems, oracle = build_systems(model, backend, args, build)
+    drafter = None
+    if args.drafter == "dspark":
+        t0 = perf_counter()
+        weights = models.random_tensors(dspark_weight_shapes(cfg), family.float32_weights, cfg, device, dtype,
+                                        args.seed + 1)  # fmt: skip
+        drafter = DSparkDrafter(model, weights, backend)
+        build["drafter_s"] = perf_counter() - t0
+    systems, oracle = build_systems(model, backend, args, build, drafter)
 
     batches = {}
     report = {
@@ -154,6 +182,7 @@ def main(argv: list[str] | None = None) -> int:
         "versions": {**versions(), **extra_versions()},
         "backend": {"name": entry.name, "dtype": _name(dtype), "block_size": backend.kv_layout.block_size},
         "model": {"title": family.title, "width": "tiny" if args.tiny else "Flash (released)", "config": raw},
+        "drafter": DRAFTERS[args.drafter],
         "workload": workload(args, systems["plain"].engine.config),
         "acceptance": {
             "simulated": True,
@@ -185,15 +214,17 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def build_systems(model, backend, args, seconds: dict) -> tuple[dict[str, System], Engine]:
+def build_systems(model, backend, args, seconds: dict, drafter=None) -> tuple[dict[str, System], Engine]:
     """The plain, fixed and adaptive engines on `model`, and the oracle (a plain engine for Continuations); each
-    one's build time goes to `seconds` (adaptive's includes its start-up step-cost profile)."""
+    one's build time goes to `seconds` (adaptive's includes its start-up step-cost profile). `drafter`: the
+    speculative engines' draft model (its drafts are replaced by the profile drafts; its work is not)."""
     systems, oracle = {}, None
     for mode in (*MODES, "oracle"):
         t0 = perf_counter()
-        spec = None if mode in ("plain", "oracle") else _speculative(args.k, mode)
+        spec = None if mode in ("plain", "oracle") else _speculative(args.k, mode, drafter is not None)
         watch = _LastStep()
-        engine = Engine(model, backend, None, _engine_config(args, backend.kv_layout.block_size, spec), (), [watch])
+        config = _engine_config(args, backend.kv_layout.block_size, spec)
+        engine = Engine(model, backend, None, config, (), [watch], drafter=drafter if spec else None)
         seconds[f"{mode}_engine_s"] = perf_counter() - t0
         if mode == "oracle":
             oracle = engine
@@ -202,9 +233,9 @@ def build_systems(model, backend, args, seconds: dict) -> tuple[dict[str, System
     return systems, oracle
 
 
-def _speculative(k: int, verify: str) -> SpeculativeConfig:
-    """ngram's config (it takes no draft model); the benchmark swaps its proposer for ProfileDrafts."""
-    return SpeculativeConfig(method="ngram", num_speculative_tokens=k, verify=verify)
+def _speculative(k: int, verify: str, dspark: bool) -> SpeculativeConfig:
+    """ngram's config (no draft model) or dspark's; the benchmark swaps the proposer for ProfileDrafts."""
+    return SpeculativeConfig(method="dspark" if dspark else "ngram", num_speculative_tokens=k, verify=verify)
 
 
 def _engine_config(args, block: int, speculative: SpeculativeConfig | None) -> EngineConfig:

@@ -81,3 +81,20 @@ def test_drafts_follow_the_actual_output_where_it_leaves_the_plain_run(monkeypat
     assert result["plain_match"]["identical_token_fraction"] == 3 / 14  # the output is plain's: it left `wrong` at 3
     assert result["fidelity"] < 1  # drafts made from the wrong tokens before the refresh were rejected
     assert result["spec_stats"]["num_accepted_tokens"] > 0
+
+
+def test_with_dspark_draft_layers_the_tokens_are_still_plain_decodings(tmp_path):
+    """--drafter dspark: the speculative engines run DSpark layers every step (their drafts replaced by the profile
+    drafts): coupled acceptance still gives plain decoding's tokens, and drafts are accepted."""
+    out = tmp_path / "spec.json"
+    args = ["--tiny", "--accelerator", "cpu", "--batches", "2", "--max-tokens", "10", "--drafter", "dspark"]
+    run = subprocess.run(
+        [sys.executable, str(SCRIPT), *args, "--out", str(out)], capture_output=True, text=True, timeout=300, env=ENV
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert "DSpark" in report["drafter"] and report["build_seconds"]["drafter_s"] > 0
+    assert report["model"]["config"]["num_nextn_predict_layers"] == 3
+    for mode in ("fixed", "adaptive"):
+        result = report["batches"]["2"][mode]
+        assert result["plain_match_fraction"] == 1.0 and result["spec_stats"]["num_accepted_tokens"] > 0
