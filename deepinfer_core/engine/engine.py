@@ -37,6 +37,7 @@ from deepinfer_core.engine.config import EngineConfig
 from deepinfer_core.engine.limits import context_length
 from deepinfer_core.engine.logprobs import LogprobRecorder
 from deepinfer_core.engine.memory import blocks_for_memory
+from deepinfer_core.engine.observers import notify_request, notify_step
 from deepinfer_core.engine.pending import LaunchedStep
 from deepinfer_core.engine.request import Delta, Request, RequestGroup, RequestOutput
 from deepinfer_core.engine.runner import ModelRunner
@@ -176,7 +177,7 @@ class Engine:
         else:  # nothing to share: every sample computes the prompt
             for sample in samples:
                 self.scheduler.add(sample)
-        self._notify(RequestEvent(request_id, "arrived"))
+        notify_request(self.observers, RequestEvent(request_id, "arrived"))
 
     def _samples(
         self, request_id: str, text: str | None, token_ids: list[int], params: SamplingParams, max_num_tokens: int
@@ -224,7 +225,7 @@ class Engine:
                 sample.finish_reason = "abort"
                 self.scheduler.finish(sample)
             self._detokenizers.pop(sample, None)
-        self._notify(RequestEvent(request_id, "aborted"))
+        notify_request(self.observers, RequestEvent(request_id, "aborted"))
 
     def has_unfinished(self) -> bool:
         """True while a request waits or runs, or a step's outputs are still to be reported."""
@@ -321,7 +322,9 @@ class Engine:
         for group, deltas in changed.items():
             if group.finished:
                 self._requests.pop(group.request_id, None)
-                self._notify(RequestEvent(group.request_id, "finished", group.samples[0].finish_reason or ""))
+                notify_request(
+                    self.observers, RequestEvent(group.request_id, "finished", group.samples[0].finish_reason or "")
+                )
             if (report := group.report(deltas)) is not None:
                 outputs.append(report)
         self._step += 1
@@ -378,13 +381,6 @@ class Engine:
         request.text = detokenizer.text
         return delta
 
-    def _notify(self, event: RequestEvent) -> None:
-        for observer in self.observers:
-            try:
-                observer.on_request(event)
-            except Exception:  # an observer must never take the engine down
-                log.exception("observer %r failed on %s", observer, event.kind)
-
     def _observe_step(self, step: LaunchedStep) -> None:
         if not self.observers:
             return
@@ -397,8 +393,4 @@ class Engine:
             self.blocks.num_used_blocks,
             self.blocks.num_blocks,
         )
-        for observer in self.observers:
-            try:
-                observer.on_step(stats)
-            except Exception:
-                log.exception("observer %r failed on a step", observer)
+        notify_step(self.observers, stats)

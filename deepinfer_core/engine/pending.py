@@ -12,7 +12,7 @@ from deepinfer_core.engine.scheduler import ScheduledStep
 from deepinfer_core.engine.transfer import HostCopy
 
 if TYPE_CHECKING:  # the runner imports this module
-    from deepinfer_core.engine.runner import StepOutput
+    from deepinfer_core.engine.step_batch import StepOutput
 
 __all__ = ["HostPromptLogprobs", "HostResults", "InFlightTokens", "LaunchedStep"]
 

@@ -19,14 +19,17 @@ SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "gpu_spec_verify.py"
 ENV = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
 
 
-def test_gpu_spec_verify_tiny_writes_a_complete_report(tmp_path):
+def _run(tmp_path, *args: str) -> dict:
+    """Run the benchmark --tiny on the CPU with `args` -> its report (written to tmp_path/spec.json)."""
     out = tmp_path / "spec.json"
-    args = ["--tiny", "--accelerator", "cpu", "--batches", "2,3", "--max-tokens", "14", "--commit", "abc1234"]
-    run = subprocess.run(
-        [sys.executable, str(SCRIPT), *args, "--out", str(out)], capture_output=True, text=True, timeout=300, env=ENV
-    )
+    command = [sys.executable, str(SCRIPT), "--tiny", "--accelerator", "cpu", *args, "--out", str(out)]
+    run = subprocess.run(command, capture_output=True, text=True, timeout=300, env=ENV)
     assert run.returncode == 0, run.stderr[-3000:]
-    report = json.loads(out.read_text())
+    return json.loads(out.read_text())
+
+
+def test_gpu_spec_verify_tiny_writes_a_complete_report(tmp_path):
+    report = _run(tmp_path, "--batches", "2,3", "--max-tokens", "14", "--commit", "abc1234")
     assert "SIMULATED" in report["simulated"] and "SIMULATED" in report["method"]
     assert report["commit"] == "abc1234" and report["machine"]["cpu_count"]
     if report["plot"]["written"]:
@@ -86,13 +89,7 @@ def test_drafts_follow_the_actual_output_where_it_leaves_the_plain_run(monkeypat
 def test_with_dspark_draft_layers_the_tokens_are_still_plain_decodings(tmp_path):
     """--drafter dspark: the speculative engines run DSpark layers every step (their drafts replaced by the profile
     drafts): coupled acceptance still gives plain decoding's tokens, and drafts are accepted."""
-    out = tmp_path / "spec.json"
-    args = ["--tiny", "--accelerator", "cpu", "--batches", "2", "--max-tokens", "10", "--drafter", "dspark"]
-    run = subprocess.run(
-        [sys.executable, str(SCRIPT), *args, "--out", str(out)], capture_output=True, text=True, timeout=300, env=ENV
-    )
-    assert run.returncode == 0, run.stderr[-3000:]
-    report = json.loads(out.read_text())
+    report = _run(tmp_path, "--batches", "2", "--max-tokens", "10", "--drafter", "dspark")
     assert "DSpark" in report["drafter"] and report["build_seconds"]["drafter_s"] > 0
     assert report["model"]["config"]["num_nextn_predict_layers"] == 3
     for mode in ("fixed", "adaptive"):
