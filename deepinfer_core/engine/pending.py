@@ -3,16 +3,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
 from deepinfer_core.engine.request import Request
 from deepinfer_core.engine.scheduler import ScheduledStep
+from deepinfer_core.engine.step_batch import StepOutput
 from deepinfer_core.engine.transfer import HostCopy
-
-if TYPE_CHECKING:  # the runner imports this module
-    from deepinfer_core.engine.step_batch import StepOutput
 
 __all__ = ["HostPromptLogprobs", "HostResults", "InFlightTokens", "LaunchedStep"]
 
