@@ -9,8 +9,13 @@ scheduling gives. Penalties count the in-flight token (copied in on the device);
 read output tokens on the host, so with any loaded the engine schedules synchronously.
 
 With speculative decoding (`EngineConfig.speculative`, engine/speculative.py) a decode step verifies drafted
-tokens and may yield several; the engine then schedules synchronously (the next step is planned from how
-many were accepted).
+tokens and may yield several. A draft model's steps are pipelined too: after a step of decodes, the next is
+planned before the host knows how many drafts that step accepts. Each request then runs its newest token and
+the drafts made in flight, both taken on the device, at positions the device moves on by the accepted count;
+its blocks and room are planned for all drafts accepted, its progress counted when the step is read back
+(`Scheduler.schedule`'s unsettled). A step that needs the previous one's results on the host (prompt chunks
+before it, penalties, min_tokens still to reach) waits for them. ngram drafts and rejection sampling read
+tokens on the host: with them the engine schedules synchronously.
 
 A request with n > 1 (or best_of) runs one sequence per sample (`SamplingParams.fan_out`), all under its
 request id; the samples after the first wait until the first one's prompt is in the prefix cache and
@@ -39,7 +44,7 @@ from deepinfer_core.engine.logprobs import LogprobRecorder
 from deepinfer_core.engine.memory import blocks_for_memory
 from deepinfer_core.engine.observers import notify_request, notify_step
 from deepinfer_core.engine.pending import LaunchedStep
-from deepinfer_core.engine.request import Delta, Request, RequestGroup, RequestOutput
+from deepinfer_core.engine.request import Delta, Request, RequestGroup, RequestOutput, RequestStatus
 from deepinfer_core.engine.runner import ModelRunner
 from deepinfer_core.engine.scheduler import Scheduler
 from deepinfer_core.engine.snapshots import WindowSnapshots, first_needed
@@ -141,8 +146,9 @@ class Engine:
         if self.async_scheduling and self.runner.logits_processors:  # they read output tokens on the host
             log.info("logits processors are loaded: the engine schedules synchronously")
             self.async_scheduling = False
-        if self.async_scheduling and spec is not None:  # a step is planned from the previous one's acceptances
-            log.info("speculative decoding is on: the engine schedules synchronously")
+        if self.async_scheduling and spec is not None and (spec.method == "ngram" or spec.acceptance == "rejection"):
+            # ngram drafts from the sequence's tokens on the host, rejection sampling reads the drafts there
+            log.info("speculative %s, %s acceptance: the engine schedules synchronously", spec.method, spec.acceptance)
             self.async_scheduling = False
 
     # ---- requests -------------------------------------------------------------------------------
@@ -237,17 +243,44 @@ class Engine:
         """Run one step; report every request that got a token (or finished). With asynchronous
         scheduling the tokens reported are those of the step issued by the previous call."""
         started = time.perf_counter()
-        launched = self._launch()
         if not self.async_scheduling:
+            launched = self._launch()
             outputs = self._finalize(launched) if launched else []
-            self.scheduler.record_step_time(time.perf_counter() - started)  # adaptive verification learns from it
-            return outputs
-        previous, self._in_flight = self._in_flight, launched
-        return self._finalize(previous) if previous else []
+        else:
+            outputs = []
+            if self._in_flight is not None and not self._pipelines(self._in_flight):
+                outputs, self._in_flight = self._finalize(self._in_flight), None  # the next step needs its results
+            launched = self._launch()
+            previous, self._in_flight = self._in_flight, launched
+            if previous is not None:
+                outputs = self._finalize(previous)
+        self.scheduler.record_step_time(time.perf_counter() - started)  # adaptive verification learns from it
+        return outputs
+
+    def _pipelines(self, step: LaunchedStep) -> bool:
+        """Whether the next step may be planned while `step` runs. Without drafts, always: the next step finds each
+        request's newest token on the device. Speculating, after a step of decodes only, whose requests need none
+        of its results on the host: the next step then finds their newest tokens, drafts and accepted counts on
+        the device (InFlightTokens); penalties (they count the output tokens) and a min_tokens still to reach (the
+        host masks stop tokens by the output's length) need them."""
+        if self.spec_stats is None:
+            return True
+        if not step.pipelinable:
+            return False
+        for request, _ in step.scheduled.requests:
+            params = request.params
+            penalized = params.repetition_penalty != 1 or params.presence_penalty or params.frequency_penalty
+            if not request.finished and (penalized or request.masks_stop_tokens()):
+                return False
+        return True
 
     def _launch(self) -> LaunchedStep | None:
         """Plan a step and issue its model and sampler work; its tokens stay on the device."""
-        scheduled = self.scheduler.schedule()
+        unsettled = None  # speculating, pipelined: the requests whose newest token and drafts are in flight
+        if self._in_flight is not None and self.spec_stats is not None:
+            drafts = self._in_flight.drafts
+            unsettled = {request: len(drafts.get(request, ())) for request in self._in_flight.sampled}
+        scheduled = self.scheduler.schedule(unsettled)
         if not scheduled.requests:
             return None
         if self.spec_stats is not None:
@@ -287,8 +320,11 @@ class Engine:
         changed: dict[RequestGroup, dict[int, Delta]] = {}
         if results.drafts is not None:  # a draft model's drafts for each sampled request's next step
             confidence = results.draft_confidence or [[]] * len(results.drafts)
+            after = self._in_flight if self._in_flight is not step else None  # that step, if already issued
             for request, drafts, sure in zip(dict.fromkeys(step.sampled), results.drafts, confidence):
                 request.next_draft_token_ids, request.next_draft_confidence = drafts, sure
+                if after is not None and request in after.drafts:  # it verifies them (it took them on the device)
+                    after.drafts[request] = drafts[: len(after.drafts[request])]
         row = 0
         while row < len(step.sampled):
             request = step.sampled[row]
@@ -312,7 +348,8 @@ class Engine:
             request.draft_token_ids = []
             if request.finished:
                 self._detokenizers.pop(request, None)
-            else:  # the accepted drafts' KV is computed; the block a token completes may be too
+            elif request.status is RequestStatus.RUNNING:  # the accepted drafts' KV is computed (unless preempted
+                # while this step ran: it computes all again); the block a token completes may be too
                 request.num_computed_tokens += len(new_tokens) - 1
                 self.blocks.cache_full_blocks(request)
                 if self.snapshots is not None:

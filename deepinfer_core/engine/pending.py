@@ -16,10 +16,24 @@ __all__ = ["HostPromptLogprobs", "HostResults", "InFlightTokens", "LaunchedStep"
 
 @dataclass(frozen=True, slots=True)
 class InFlightTokens:
-    """The tokens sampled by the step still in flight, where the next step finds them: on the device."""
+    """What the step still in flight left on the device for the next step: each sampled request's newest token
+    and, with speculative decoding, how many drafts it accepted and its drafter's drafts for the next step."""
 
-    token_ids: torch.Tensor  # [S] int64, on the device
+    token_ids: torch.Tensor  # [R] int64: each request's newest token (past its accepted drafts)
     rows: dict[Request, int]  # request -> its row in token_ids
+    accepted: torch.Tensor | None = None  # [R] int64: drafts the request accepted (its positions run ahead by that)
+    drafts: torch.Tensor | None = None  # [R, k] int64: the drafts each request's next step verifies
+
+    def values(self) -> torch.Tensor:
+        """token_ids, then the drafts row by row: what `source` indexes."""
+        if self.drafts is None:
+            return self.token_ids
+        return torch.cat([self.token_ids, self.drafts.reshape(-1)])
+
+    def source(self, request: Request, draft: int = -1) -> int:
+        """Where in `values()` the request's newest token (draft -1) or its draft `draft` (0-based) is."""
+        row = self.rows[request]
+        return row if draft < 0 else len(self.rows) + row * self.drafts.shape[1] + draft
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,9 +95,19 @@ class LaunchedStep:
 
     def tokens(self) -> InFlightTokens | None:
         """Where the next step finds this step's tokens."""
-        if self.output.tokens is None:
+        output = self.output
+        if output.tokens is None:
             return None
-        return InFlightTokens(self.output.tokens.token_ids, {r: row for row, r in enumerate(self.sampled)})
+        if output.accepted is None:  # one row a request
+            return InFlightTokens(output.tokens.token_ids, {r: row for row, r in enumerate(self.sampled)})
+        requests = dict.fromkeys(self.sampled)  # a verify step samples a request on several rows
+        return InFlightTokens(output.newest, {r: i for i, r in enumerate(requests)}, output.accepted, output.drafts)
+
+    @property
+    def pipelinable(self) -> bool:
+        """Whether every request of the step ran its last token (and drafts) only: the next step's inputs are then
+        each request's newest token and drafts, which it finds on the device (`tokens`)."""
+        return self.num_decode_tokens == self.scheduled.num_tokens
 
     def read(self) -> HostResults:
         """The step's results on the host (blocks until they are here)."""

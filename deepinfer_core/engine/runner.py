@@ -85,10 +85,14 @@ class ModelRunner:
             )
 
     def prepare(self, scheduled: Sequence[tuple[Request, int]], in_flight: InFlightTokens | None = None) -> StepBatch:
-        """The step's inputs on the device. A request's newest token may be one `in_flight` sampled."""
+        """The step's inputs on the device. A request's newest token may be one `in_flight` sampled; with speculative
+        decoding its drafts then are in flight too, and its positions run ahead of the host's count by the drafts
+        that step accepts (`InFlightTokens.accepted`): they are moved on the device (positions, slots, lengths and
+        the sampler's output indices)."""
         token_ids, positions, slots, starts, seq_lens, tables, sample_rows, last = [], [], [], [0], [], [], [], []
         seq_slots, window_starts, cached_lens, needed_from, prompt_spans = [], [], [], [], []
-        fill_at, fill_from = [], []  # index in token_ids <- row of in_flight.token_ids
+        fill_at, fill_from = [], []  # index in token_ids <- index in in_flight.values()
+        ahead_rows = []  # per sequence: its row in in_flight.accepted, or -1 (the host knows its positions)
         offsets = []  # per sampled row, the drafts before it
         uniform = self._uniform_queries(scheduled)
         for row, (request, count) in enumerate(scheduled):
@@ -96,13 +100,19 @@ class ModelRunner:
             drafts = request.draft_token_ids  # verified after the request's last token
             end_known = end - len(drafts)
             pad = uniform - count if uniform else 0  # filler tokens after them, checked by no row
-            token_ids += request.all_token_ids[begin:end_known] + drafts
+            token_ids += request.all_token_ids[begin:end_known]
+            ahead_rows.append(-1)
             if end_known > request.num_known_tokens:  # its last token is still on the device
-                if end != request.num_known_tokens + 1 or in_flight is None or request not in in_flight.rows:
+                if end_known != request.num_known_tokens + 1 or in_flight is None or request not in in_flight.rows:
                     raise RuntimeError(f"request {request.request_id}: step input not on the host nor in flight")
                 fill_at.append(len(token_ids))
-                fill_from.append(in_flight.rows[request])
-                token_ids.append(0)  # placeholder, replaced on the device
+                fill_from.append(in_flight.source(request))
+                if in_flight.accepted is not None:  # speculating: its drafts are the ones drafted in flight
+                    ahead_rows[-1] = in_flight.rows[request]
+                    fill_at += range(len(token_ids) + 1, len(token_ids) + 1 + len(drafts))
+                    fill_from += [in_flight.source(request, j) for j in range(len(drafts))]
+                token_ids.append(0)  # placeholders, replaced on the device
+            token_ids += drafts
             if request.needs_prompt_logprobs:  # token t's logprob comes from position t - 1's logits
                 first = max(begin, request.num_prompt_logprobs) + 1
                 count_scored = min(end, len(request.prompt_token_ids) - 1) + 1 - first
@@ -132,21 +142,32 @@ class ModelRunner:
             block_tables[row, : len(table)] = torch.tensor(table, dtype=torch.int64)
 
         device = self.device
-        tokens = to_device(token_ids, device)  # [T]
-        if fill_at:
-            tokens[to_device(fill_at, device)] = in_flight.token_ids[to_device(fill_from, device)]
+        values = in_flight.values() if fill_at else None
+        tokens = _filled(to_device(token_ids, device), fill_at, fill_from, values)  # [T]
         fields = (starts, seq_lens, block_tables, slots, seq_slots, window_starts, cached_lens, needed_from)
-        on_device = [to_device(values, device) for values in fields]
+        on_device = [to_device(v, device) for v in fields]
+        token_positions = to_device(positions, device)
+        ahead = None
+        if any(r >= 0 for r in ahead_rows):  # shift the sequences whose drafts in flight may be accepted
+            ran = torch.cat([in_flight.accepted, in_flight.accepted.new_zeros(1)])  # the last: the host's own
+            ran = ran[to_device([r if r >= 0 else len(in_flight.rows) for r in ahead_rows], device)]  # [B]
+            seq_of_token = to_device([i for i in range(len(scheduled)) for _ in range(starts[i + 1] - starts[i])],
+                                     device)  # fmt: skip
+            token_positions = token_positions + ran[seq_of_token]
+            blocks = on_device[2][seq_of_token, token_positions // self.block_size]
+            on_device[3] = blocks * self.block_size + token_positions % self.block_size  # slots
+            on_device[1] = on_device[1] + ran  # seq_lens
+            ahead = ran[to_device(sample_rows, device)]
         max_query_len = max(b - a for a, b in zip(starts, starts[1:]))
         meta = AttentionMetadata(*on_device, max_query_len=max_query_len, uniform_decode=uniform is not None)
         sampled = [scheduled[row][0] for row in sample_rows]
         last_index = to_device(last, device)
         drafting = None
         if self.drafter is not None:
-            drafting = self._drafting_inputs(scheduled, sample_rows, offsets, uniform)
+            drafting = self._drafting_inputs(scheduled, sample_rows, offsets, uniform, ahead_rows, in_flight, values)
         return StepBatch(
             tokens,
-            to_device(positions, device),
+            token_positions,
             meta,
             sample_rows,
             last_index,
@@ -154,6 +175,7 @@ class ModelRunner:
             tuple(prompt_spans),
             tuple(offsets) if any(offsets) else (),
             drafting,
+            ahead,
         )
 
     def _uniform_queries(self, scheduled: Sequence[tuple[Request, int]]) -> int | None:
@@ -183,17 +205,34 @@ class ModelRunner:
         return most
 
     def _drafting_inputs(
-        self, scheduled: Sequence[tuple[Request, int]], sample_rows: list[int], offsets: list[int], uniform: int | None
+        self,
+        scheduled: Sequence[tuple[Request, int]],
+        sample_rows: list[int],
+        offsets: list[int],
+        uniform: int | None,
+        ahead_rows: list[int],
+        in_flight: InFlightTokens | None,
+        values: torch.Tensor | None,
     ) -> DraftingInputs:
+        """ahead_rows[i] >= 0: sequence i's drafts are in flight (`in_flight.values()`, given as `values`)."""
         next_ids, expected, first_row, seq_index, num_drafts, limits = [], [], [], [], [], []
-        for request, count in scheduled:
-            begin = request.num_computed_tokens
-            seq = request.all_token_ids + request.draft_token_ids
-            after = seq[begin + 1 : begin + count + 1]
+        next_at, next_from, expected_at, expected_from = [], [], [], []  # filled from `values`, as in prepare
+        for row, (request, count) in enumerate(scheduled):
+            if ahead_rows[row] >= 0:  # the token after its last is its first draft, and so on
+                next_at += range(len(next_ids), len(next_ids) + count - 1)
+                next_from += [in_flight.source(request, j) for j in range(count - 1)]
+                after = [0] * (count - 1)
+            else:
+                begin = request.num_computed_tokens
+                seq = request.all_token_ids + request.draft_token_ids
+                after = seq[begin + 1 : begin + count + 1]
             next_ids += after + [0] * ((uniform or count) - len(after))  # 0: sampled there, or padding
         for i, (row, offset) in enumerate(zip(sample_rows, offsets)):
             request = scheduled[row][0]
             drafts = request.draft_token_ids
+            if offset < len(drafts) and ahead_rows[row] >= 0:
+                expected_at.append(i)
+                expected_from.append(in_flight.source(request, offset))
             expected.append(drafts[offset] if offset < len(drafts) else -1)
             if offset == 0:
                 first_row.append(i)
@@ -202,7 +241,9 @@ class ModelRunner:
                 limits.append(min(len(request.block_ids) * self.block_size - 1, self.max_position))
         device = self.device
         return DraftingInputs(
-            *(to_device(v, device) for v in (next_ids, expected, first_row, seq_index, num_drafts, limits)),
+            _filled(to_device(next_ids, device), next_at, next_from, values),
+            _filled(to_device(expected, device), expected_at, expected_from, values),
+            *(to_device(v, device) for v in (first_row, seq_index, num_drafts, limits)),
             max_drafts=max(num_drafts, default=0),
         )
 
@@ -292,6 +333,8 @@ class ModelRunner:
         if pending and sampling.any_penalty:  # the token lists exist only for the penalties
             rows, columns, sources = to_device(pending, self.device).unbind(1)  # [P] each
             sampling.output_tokens[rows, columns] = in_flight.token_ids[sources]
+        if batch.ahead is not None:  # drafts accepted in flight: each row's output index is that much further
+            sampling = dataclasses.replace(sampling, steps=sampling.steps + batch.ahead)
         offsets = batch.draft_offsets or (0,) * len(sampled)
         masked_rows = [i for i, r in enumerate(sampled) if r.masks_stop_tokens(offsets[i])]
         seen = self._mask_stop_tokens(logits, masked_rows, sampled) if masked_rows else logits
@@ -335,17 +378,35 @@ class ModelRunner:
                 self._draft(batch, hidden, None)
             return StepOutput([], None, None, prompt_logprobs)
         tokens, ranks = self.sample(batch, logits, in_flight)
-        drafts = self._draft(batch, hidden, tokens.token_ids) if self.drafter is not None else None
+        if self.drafter is None:
+            return StepOutput(batch.sampled, tokens, ranks, prompt_logprobs)
+        accepted = self._accepted(batch.drafting, tokens.token_ids)
+        drafts = self._draft(batch, hidden, tokens.token_ids, accepted)
         confidence = None
         if isinstance(drafts, tuple):  # a drafter with a confidence head (DSpark)
             drafts, confidence = drafts
-        return StepOutput(batch.sampled, tokens, ranks, prompt_logprobs, drafts, confidence)
+        newest = tokens.token_ids[batch.drafting.first_row + accepted]
+        return StepOutput(batch.sampled, tokens, ranks, prompt_logprobs, drafts, confidence, accepted, newest)
+
+    @staticmethod
+    def _accepted(d: DraftingInputs, sampled: torch.Tensor) -> torch.Tensor:
+        """[R] each sampled request's accepted drafts, on the device: its leading rows whose sampled token is the
+        draft that row checks."""
+        width = d.max_drafts
+        if not width:
+            return torch.zeros_like(d.first_row)
+        steps = torch.arange(width, device=sampled.device)
+        rows = (d.first_row[:, None] + steps).clamp(max=sampled.shape[0] - 1)  # [R, width]
+        matches = (sampled[rows] == d.expected[rows]) & (steps < d.num_drafts[:, None])
+        return matches.to(torch.int64).cumprod(dim=1).sum(dim=1)
 
     @torch.inference_mode()
-    def _draft(self, batch: StepBatch, hidden: torch.Tensor, sampled: torch.Tensor | None):
+    def _draft(
+        self, batch: StepBatch, hidden: torch.Tensor, sampled: torch.Tensor | None, accepted: torch.Tensor | None = None
+    ):
         """Run the drafter over the step (its cache catches up) and draft from each sampled request's last
-        accepted position -> [R, k], or (that, confidences [R, k]) from a drafter with a confidence head, or
-        None when nothing was sampled."""
+        accepted position (`accepted` [R] drafts past its first sampled row) -> [R, k], or (that, confidences
+        [R, k]) from a drafter with a confidence head, or None when nothing was sampled."""
         from deepinfer_core.model.mtp import DraftInputs  # a model module: the runner needs it only here
 
         d = batch.drafting
@@ -359,14 +420,16 @@ class ModelRunner:
             self.drafter.forward(next_ids, batch.positions, hidden, batch.meta, caches)
             return None
         next_ids[batch.last_token_index] = sampled  # a verify row's next token is the token it sampled
-        # accepted drafts per request, on the device: leading rows whose sampled token is their draft
-        width = d.max_drafts
-        steps = torch.arange(width, device=sampled.device)
-        rows = (d.first_row[:, None] + steps).clamp(max=sampled.shape[0] - 1)  # [R, width]
-        matches = (sampled[rows] == d.expected[rows]) & (steps < d.num_drafts[:, None])
-        accepted = matches.to(torch.int64).cumprod(dim=1).sum(dim=1) if width else torch.zeros_like(d.first_row)
         inputs = DraftInputs(
             next_ids, batch.positions, hidden, batch.meta, batch.last_token_index, d.first_row, d.seq_index,
             accepted, d.position_limit, self.block_size,
         )  # fmt: skip
         return self.drafter.draft(inputs, caches, self.num_draft_tokens)
+
+
+def _filled(tensor: torch.Tensor, at: list[int], sources: list[int], values: torch.Tensor | None) -> torch.Tensor:
+    """`tensor` with its entries `at` replaced by `values[sources]`, on the device (a token still in flight)."""
+    if at:
+        device = tensor.device
+        tensor[to_device(at, device)] = values[to_device(sources, device)]
+    return tensor

@@ -15,7 +15,7 @@ budget and the request's remaining length allow.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from deepinfer_core.backend import StepCostTable
@@ -110,13 +110,18 @@ class Scheduler:
         fits = largest_chunk(self.cost_model, computed, remaining, self.config.step_budget_s)
         return min(remaining, budget, fits)
 
-    def _drafts(self, request: Request, budget: int) -> list[int]:
-        """Tokens to verify after a decode's one (none for a prefill chunk or without a proposer)."""
-        decode = request.num_computed_tokens == request.num_tokens - 1 and not request.num_pending_tokens
+    def _drafts(self, request: Request, budget: int, unsettled: int | None) -> list[int]:
+        """Tokens to verify after a decode's one (none for a prefill chunk or without a proposer). unsettled: not
+        None when the request's newest token and drafts are in flight (see `schedule`): placeholders then."""
+        in_flight = unsettled is not None
+        decode = request.num_computed_tokens == request.num_tokens - 1 and (in_flight or not request.num_pending_tokens)
         if self.proposer is None or not decode or request.needs_prompt_logprobs:
             return []
-        room = request.max_num_tokens - request.num_tokens - 1  # the verify step's own token needs one
-        return self.proposer.propose_for(request, min(self.num_speculative_tokens, room, budget - 1))
+        room = request.max_num_tokens - request.num_tokens - (unsettled or 0) - 1  # the step's own token needs one
+        count = min(self.num_speculative_tokens, room, budget - 1)
+        if in_flight:  # drafted by the step in flight: the runner takes them from the device
+            return [0] * max(count, 0)
+        return self.proposer.propose_for(request, count)
 
     def _preempt(self, request: Request) -> None:
         request.draft_token_ids, request.next_draft_token_ids, request.next_draft_confidence = [], [], []
@@ -134,7 +139,11 @@ class Scheduler:
             self.step_overhead = max(0.0, self.step_overhead + OVERHEAD_WEIGHT * (gap - self.step_overhead))
         self._predicted = None
 
-    def schedule(self) -> ScheduledStep:
+    def schedule(self, unsettled: Mapping[Request, int] | None = None) -> ScheduledStep:
+        """The next step. unsettled (a pipelined step of speculative decoding, engine.py): the requests whose newest
+        token and drafts the step in flight makes, with the drafts it verifies for each; whether it accepts them is
+        known only on the device, so each may run up to that many positions further than the host counts: its
+        drafts, blocks and room are planned for the most."""
         self._predicted = None
         budget = self.config.max_num_batched_tokens
         scheduled: list[tuple[Request, int]] = []
@@ -142,15 +151,16 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
-            if request.num_tokens >= request.max_num_tokens:  # its last token is in flight: nothing to run
+            further = unsettled.get(request) if unsettled else None
+            if request.num_tokens + (further or 0) >= request.max_num_tokens:  # its last token may be in flight
                 index += 1
                 continue
             count = self._chunk(request, request.num_computed_tokens, budget)
-            request.draft_token_ids = self._drafts(request, budget)
+            request.draft_token_ids = self._drafts(request, budget, further)
             count += len(request.draft_token_ids)
             samples = request.num_computed_tokens + count - len(request.draft_token_ids) >= request.num_tokens
             ahead = self.lookahead if samples else 0  # a draft model drafts on past the step's positions
-            while not self.blocks.grow(request, request.num_computed_tokens + count + ahead):
+            while not self.blocks.grow(request, request.num_computed_tokens + (further or 0) + count + ahead):
                 victim = self.running.pop()  # the latest arrival
                 self._preempt(victim)
                 preempted += 1

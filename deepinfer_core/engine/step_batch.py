@@ -61,6 +61,9 @@ class StepBatch:
     # last token and each of its drafts: rows 0..k); () when nothing is drafted
     draft_offsets: tuple[int, ...] = ()
     drafting: DraftingInputs | None = None  # what a draft model reads of the step (a drafter is loaded)
+    # [S] how many drafts the step in flight accepted for each sampled row's request, or None when the host knows
+    # every position: a row's output index runs ahead of what the host counts by that (engine: pipelined steps)
+    ahead: torch.Tensor | None = None
 
     def outputs(self, row: int) -> list[int]:
         """The output tokens sampled row `row` follows (its request's, then the drafts before it)."""
@@ -80,3 +83,5 @@ class StepOutput:
     prompt_logprobs: list[PromptLogprobs]
     drafts: torch.Tensor | None = None  # [R, k] a draft model's drafts for the next step, per sampled request
     draft_confidence: torch.Tensor | None = None  # [R, k] float32 its P(accepted | those before), if it says
+    accepted: torch.Tensor | None = None  # [R] int64 drafts each sampled request accepted (with a draft model)
+    newest: torch.Tensor | None = None  # [R] int64 its newest token: the one sampled after its accepted drafts

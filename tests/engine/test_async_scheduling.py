@@ -63,8 +63,8 @@ def _drive(llm: LLM, arrivals: list[Arrival], abort_after: dict[str, int] | None
     preempt, schedule = scheduler._preempt, scheduler.schedule
     scheduler._preempt = lambda r: (run.preempted.append((r.request_id, r.num_pending_tokens)), preempt(r))[1]
 
-    def scheduling() -> ScheduledStep:
-        step = schedule()
+    def scheduling(*args) -> ScheduledStep:
+        step = schedule(*args)
         run.steps.append(step)
         for request, count in step.requests:  # the last token is sampled, never fed back: no KV for it
             assert request.num_computed_tokens + count < request.max_num_tokens, request.request_id

@@ -45,8 +45,8 @@ def _record_steps(llm: LLM) -> list:
     steps = []
     schedule = llm.engine.scheduler.schedule
 
-    def recording():
-        step = schedule()
+    def recording(*args):
+        step = schedule(*args)
         steps.append(step)
         return step
 

@@ -77,7 +77,7 @@ def test_prompt_logprobs_match_transformers_whole_and_chunked(ckpt, llm):
     chunked = _llm(ckpt, max_num_batched_tokens=16)
     steps = []
     schedule = chunked.engine.scheduler.schedule
-    chunked.engine.scheduler.schedule = lambda: (step := schedule(), steps.append(step))[0]
+    chunked.engine.scheduler.schedule = lambda *a: (step := schedule(*a), steps.append(step))[0]
     out = generate(chunked, prompt, params)
     assert [n for step in steps[:3] for _, n in step.requests] == [16, 16, 13]  # three prefill chunks
     assert_matches_hf(out.prompt_logprobs, prompt, hf)

@@ -148,7 +148,7 @@ def test_preempted_samples_give_the_same_tokens_and_observers_see_one_request(ll
     tight = Engine(llm.model, llm.backend, None, config, observers=[recorder])
     schedule = tight.scheduler.schedule
     preempted = []
-    tight.scheduler.schedule = lambda: (step := schedule(), preempted.append(step.num_preempted))[0]
+    tight.scheduler.schedule = lambda *a: (step := schedule(*a), preempted.append(step.num_preempted))[0]
     reports = run_engine(tight, "tight", PROMPT, params)
     assert sum(preempted) > 0  # 4 samples of 76 tokens do not fit 9 blocks of 16 at once
     assert [c.token_ids for c in reports[-1].outputs] == [c.token_ids for c in roomy.outputs]

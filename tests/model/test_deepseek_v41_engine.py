@@ -86,7 +86,7 @@ def test_preemption_gives_the_same_tokens_and_logprobs(checkpoints, case):
     tight = _llm(checkpoints[case], num_kv_blocks=6)  # 60 + 8 tokens need 5 blocks: the others wait or are preempted
     steps = []
     schedule = tight.engine.scheduler.schedule
-    tight.engine.scheduler.schedule = lambda: steps.append(schedule()) or steps[-1]
+    tight.engine.scheduler.schedule = lambda *a: steps.append(schedule(*a)) or steps[-1]
     got = tight.generate(prompts, GREEDY)
     assert sum(step.num_preempted for step in steps) > 0
     for mine, theirs in zip(got, want):

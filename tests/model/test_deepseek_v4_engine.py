@@ -32,7 +32,7 @@ def _record(llm: LLM) -> tuple[list, list]:
     steps, requests = [], []
     scheduler = llm.engine.scheduler
     schedule, add = scheduler.schedule, scheduler.add
-    scheduler.schedule = lambda: steps.append(schedule()) or steps[-1]
+    scheduler.schedule = lambda *a: steps.append(schedule(*a)) or steps[-1]
     scheduler.add = lambda r: (requests.append(r), add(r))[1]
     return steps, requests
 

@@ -68,7 +68,7 @@ def _with_hit(llm: LLM, vocab: int):
     steps, requests = [], []
     scheduler = llm.engine.scheduler
     schedule, add = scheduler.schedule, scheduler.add
-    scheduler.schedule = lambda: steps.append(schedule()) or steps[-1]
+    scheduler.schedule = lambda *a: steps.append(schedule(*a)) or steps[-1]
     scheduler.add = lambda r: (requests.append(r), add(r))[1]
     output = llm.generate([second], GREEDY)[0]
     (request,) = requests

@@ -47,7 +47,7 @@ class Recorder:
         self.steps, self.requests = [], []
         scheduler = llm.engine.scheduler
         schedule, add = scheduler.schedule, scheduler.add
-        scheduler.schedule = lambda: self.steps.append(schedule()) or self.steps[-1]
+        scheduler.schedule = lambda *a: self.steps.append(schedule(*a)) or self.steps[-1]
         scheduler.add = lambda r: (self.requests.append(r), add(r))[1]
 
     def computed(self, request) -> int:
