@@ -40,15 +40,15 @@ class TableDrafts:
     listed under (p, t), where listed (else the drafter's own). Listed: after each token of a plain run's outputs,
     the run's next (i % 4) tokens for the i-th, then wrong ones, so verify steps accept 0..3 drafts."""
 
-    def __init__(self, drafter, prompts, plain: list[tuple[int, ...]], vocab: int) -> None:
+    def __init__(self, drafter, prompts, plain: list[tuple[int, ...]], vocab: int, device="cpu") -> None:
         table: dict[int, list[int]] = {}
         for prompt, output in zip(prompts, plain):
             for i, token in enumerate(output):
                 right = list(output[i + 1 : i + 1 + i % 4])
                 table.setdefault((len(prompt) + i) * vocab + token, (right + [7, 8, 9, 10])[:K])
         keys = sorted(table)
-        self.keys = torch.tensor(keys, dtype=torch.int64)
-        self.values = torch.tensor([table[key] for key in keys], dtype=torch.int64)
+        self.keys = torch.tensor(keys, dtype=torch.int64, device=device)
+        self.values = torch.tensor([table[key] for key in keys], dtype=torch.int64, device=device)
         self.vocab, self.inner = vocab, drafter.draft
         drafter.draft = self.draft  # the runner and its draft graphs call the drafter's draft
 
@@ -78,8 +78,7 @@ def _outputs(llm: LLM, prompts, params) -> list[tuple[int, ...]]:
     return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
 
 
-@pytest.fixture
-def ran_ahead(monkeypatch):
+def spy_ran_ahead(monkeypatch) -> list[int | None]:
     """Per prepared step: the most drafts accepted in flight by any of its requests (None: the host knew them all)."""
     seen = []
     prepare = ModelRunner.prepare
@@ -93,8 +92,7 @@ def ran_ahead(monkeypatch):
     return seen
 
 
-@pytest.fixture
-def pipelined(monkeypatch):
+def spy_pipelined(monkeypatch) -> list[list[str]]:
     """Per planned step: the requests (by id) planned while their newest token was in flight."""
     seen = []
     schedule = Scheduler.schedule
@@ -105,6 +103,16 @@ def pipelined(monkeypatch):
 
     monkeypatch.setattr(Scheduler, "schedule", spy)
     return seen
+
+
+@pytest.fixture
+def ran_ahead(monkeypatch):
+    return spy_ran_ahead(monkeypatch)
+
+
+@pytest.fixture
+def pipelined(monkeypatch):
+    return spy_pipelined(monkeypatch)
 
 
 @pytest.fixture(scope="module")

@@ -86,3 +86,41 @@ def test_padded_verify_steps_replay_cuda_graphs(tmp_path, hf_v4_checkpoint, mode
     assert {q for _, q, _ in spec.engine.runner.graphs._replays} > {1}, "no verify step replayed a graph"
     stats = spec.engine.spec_stats
     assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+
+
+@pytest.mark.parametrize("method", ["dspark", "mtp-v4", "mtp-v3"])
+def test_pipelined_verify_steps_give_plain_decodings_on_the_gpu(
+    tmp_path, hf_v4_mtp_checkpoint, mtp_checkpoint, method, monkeypatch
+):
+    """Asynchronous scheduling while speculating (nvidia_sm100's default): steps planned while the step before is
+    in flight take their tokens and drafts on the device and move positions by the accepted count, in CUDA graphs.
+    The drafts are TableDrafts' (partly plain's continuation, so runs of them are accepted)."""
+    from tests.engine.test_speculative_async import TableDrafts, spy_pipelined, spy_ran_ahead
+    from tests.engine.test_speculative_dspark import DSPARK
+    from tests.model.v41_checkpoints import write_checkpoint
+
+    path, vocab = {
+        "dspark": (lambda: write_checkpoint(tmp_path / "v41", DSPARK, seed=5), 338),
+        "mtp-v4": (lambda: hf_v4_mtp_checkpoint.path, 256),
+        "mtp-v3": (lambda: mtp_checkpoint, 128),
+    }[method]
+    path = str(path())
+    prompts = [LOOP, LOOP[2:], [11, 3, 17, 9, 40, 2, 21]]
+    params = [SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
+              SamplingParams(temperature=0.8, seed=5, max_tokens=24, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=17, ignore_eos=True)]  # fmt: skip
+
+    def llm(speculative):
+        return LLM(model=path, accelerator="nvidia", dtype="float32", block_size=16, progress=False, num_kv_blocks=64,
+                   speculative_config=speculative)  # fmt: skip
+
+    want = [o.outputs[0].token_ids for o in llm(None).generate(prompts, params, use_tqdm=False)]
+    spec = llm({"method": method.split("-")[0], "num_speculative_tokens": 3})
+    assert spec.engine.async_scheduling
+    TableDrafts(spec.engine.runner.drafter, prompts, want, vocab, device="cuda")
+    pipelined, ran_ahead = spy_pipelined(monkeypatch), spy_ran_ahead(monkeypatch)
+    got = [o.outputs[0].token_ids for o in spec.generate(prompts, params, use_tqdm=False)]
+    assert got == want
+    assert any(pipelined) and any(a for a in ran_ahead if a), "no pipelined step ran past accepted drafts"
+    graphs = spec.engine.runner.graphs
+    assert graphs is not None and max(q for _, q, _ in graphs._replays) > 1, "verify steps ran eagerly"
