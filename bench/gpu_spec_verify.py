@@ -9,8 +9,12 @@ Real: the model (DeepSeek-V4.1 at its released width, 5 layers, 32 experts, bf16
 device as gpu_decode.py --model v41 builds it, bench/_gpu_v4.py), the engine (scheduler, runner, sampler, caches;
 verify steps of the drafts it is given; the planner with the step-cost tables it profiled at start-up) and the time,
 each mode as the engine runs it: speculating, verify steps replay device graphs (every sequence padded to the
-step's most drafts; adaptive verification then picks the step's depth from costs profiled per depth) and are
-scheduled synchronously; plain decoding replays device graphs and is scheduled asynchronously.
+step's most drafts; adaptive verification then picks the step's depth from costs profiled per depth); plain decoding
+replays device graphs and is scheduled asynchronously. With a draft model (--drafter dspark) the speculative engines
+schedule asynchronously too (--spec-scheduling sync: synchronously): a verify step is planned while the one before
+runs and takes its drafts on the device, where the profile drafts below are then looked up (DeviceDrafts: by each
+sequence's newest token and its position); adaptive verification plans with the confidences read back a step
+before. Without one (ngram's config) they schedule synchronously.
 
 SIMULATED: the drafts and how many are accepted. Random weights accept almost no real draft, so a proposer
 (bench/_spec_drafts.py) drafts from the target's own greedy continuation (the plain run of the same prompts): at
@@ -27,8 +31,8 @@ same weights generates the continuation of the request's actual output again (`o
 drafter's forward is not in these numbers.
 
 Timing: every engine.step() call is timed on the host, and each call ends by reading a step's tokens back (the
-step it launched while speculating; under plain decoding's asynchronous scheduling the step before, so a call's
-interval is that step's time). The decode phase is the steps without prompt tokens; `tokens_per_s` = tokens those steps
+step it launched, scheduling synchronously; scheduling asynchronously the step before, so a call's interval is that
+step's time). The decode phase is the steps without prompt tokens; `tokens_per_s` = tokens those steps
 yielded / their seconds, over the steps in which all B sequences run (steady state; `tokens_per_s_whole` adds the
 tail, where sequences that finished early have left the batch). The oracle's refreshes and the benchmark's
 bookkeeping are subtracted from the step they ran in. At each batch every engine first runs other prompts
@@ -54,7 +58,7 @@ import _gpu_v4 as models  # noqa: E402
 from _common import machine, versions  # noqa: E402
 from _gpu_measure import device_info, extra_versions, sync, token_match  # noqa: E402
 from _gpu_runners import _LastStep, make_prompts  # noqa: E402
-from _spec_drafts import Continuations, ProfileDrafts, VerifyLog, draw_profile  # noqa: E402
+from _spec_drafts import Continuations, DeviceDrafts, ProfileDrafts, VerifyLog, draw_profile  # noqa: E402
 from _spec_report import Step, combine, decode_summary, git_head, plot, step_costs, workload  # noqa: E402
 from spec_planner_sim import BASE  # noqa: E402
 
@@ -88,11 +92,13 @@ DEEPSEEK_REPORTED = (
 
 @dataclass(slots=True)
 class System:
-    """An engine under test, the observer that tells its prefill steps apart, and (speculating) its VerifyLog."""
+    """An engine under test, the observer that tells its prefill steps apart, and (speculating) its VerifyLog and,
+    where its steps are pipelined, the drafts it finds on the device."""
 
     engine: Engine
     watch: _LastStep
     log: VerifyLog | None = None
+    device_drafts: DeviceDrafts | None = None
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -117,6 +123,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default="none",
         help="dspark: the speculative engines also run DSpark draft layers (random weights, 3 stages, 32 experts) "
         "every step; the profile drafts replace their drafts, not their cost",
+    )
+    p.add_argument(
+        "--spec-scheduling",
+        choices=("async", "sync"),
+        default="async",
+        help="async: the speculative engines schedule asynchronously where they can (a draft model's steps are "
+        "pipelined; ngram's never are); sync: they wait for every step's tokens before planning the next",
     )
     p.add_argument("--spread", type=float, default=0.6, help="how much a position's difficulty moves acceptance")
     p.add_argument("--oracle-horizon", type=int, default=16, help="tokens a refreshed continuation runs ahead")
@@ -183,6 +196,12 @@ def main(argv: list[str] | None = None) -> int:
         "backend": {"name": entry.name, "dtype": _name(dtype), "block_size": backend.kv_layout.block_size},
         "model": {"title": family.title, "width": "tiny" if args.tiny else "Flash (released)", "config": raw},
         "drafter": DRAFTERS[args.drafter],
+        "spec_scheduling": {
+            mode: "asynchronous: a draft model's verify steps pipelined, their drafts looked up on the device"
+            if systems[mode].engine.async_scheduling
+            else "synchronous"
+            for mode in SPECULATIVE
+        },
         "workload": workload(args, systems["plain"].engine.config),
         "acceptance": {
             "simulated": True,
@@ -218,18 +237,26 @@ def build_systems(model, backend, args, seconds: dict, drafter=None) -> tuple[di
     """The plain, fixed and adaptive engines on `model`, and the oracle (a plain engine for Continuations); each
     one's build time goes to `seconds` (adaptive's includes its start-up step-cost profile). `drafter`: the
     speculative engines' draft model (its drafts are replaced by the profile drafts; its work is not)."""
-    systems, oracle = {}, None
+    systems, oracle, device_drafts = {}, None, None
+    if drafter is not None and args.spec_scheduling == "async":  # one table: the engines share the drafter
+        capacity = 4 * max(args.batches) * (max(args.max_tokens, args.warmup_tokens) + args.k + 1)
+        device_drafts = DeviceDrafts(drafter, args.k, model.config.vocab_size, capacity, backend.torch_device)
     for mode in (*MODES, "oracle"):
         t0 = perf_counter()
         spec = None if mode in ("plain", "oracle") else _speculative(args.k, mode, drafter is not None)
         watch = _LastStep()
         config = _engine_config(args, backend.kv_layout.block_size, spec)
+        if spec is not None:  # async: wherever the engine can (it is the backend's default, forced on a CPU smoke run)
+            config = replace(config, async_scheduling=args.spec_scheduling == "async")
         engine = Engine(model, backend, None, config, (), [watch], drafter=drafter if spec else None)
         seconds[f"{mode}_engine_s"] = perf_counter() - t0
         if mode == "oracle":
             oracle = engine
+        elif spec is None:
+            systems[mode] = System(engine, watch)
         else:
-            systems[mode] = System(engine, watch, VerifyLog(engine.scheduler, args.k) if spec else None)
+            pipelined = device_drafts if engine.async_scheduling else None
+            systems[mode] = System(engine, watch, VerifyLog(engine.scheduler, args.k), pipelined)
     return systems, oracle
 
 
@@ -314,8 +341,19 @@ def run(system: System, prompts: list[list[int]], max_tokens: int, device) -> tu
 def run_speculative(system: System, oracle: Engine, prompts, plain_tokens: dict, draws: dict, max_tokens: int, args,
                     device) -> dict:  # fmt: skip
     """One run with ProfileDrafts drafting from the plain run's tokens -> decode summary, drafts, acceptance."""
-    continuations = Continuations(plain_tokens, oracle, args.oracle_horizon)
-    system.log.start(ProfileDrafts(continuations, draws, system.engine.model.config.vocab_size))
+    on_refresh, table = None, system.device_drafts
+    if table is not None:  # pipelined steps take the profile drafts on the device
+        table.reset()
+        for i, tokens in plain_tokens.items():
+            table.add(len(prompts[int(i)]), tokens, draws[i], 0)
+        table.push()
+
+        def on_refresh(request, tokens):  # drafts after its newest known token on, along its new continuation
+            newest = len(request.output_token_ids) - 1
+            table.add(len(request.prompt_token_ids), tokens, draws[request.request_id], newest)
+
+    continuations = Continuations(plain_tokens, oracle, args.oracle_horizon, on_refresh)
+    system.log.start(ProfileDrafts(continuations, draws, system.engine.model.config.vocab_size), table)
     stats = system.engine.spec_stats  # counts since the engine started
     before = replace(stats, accepted_per_position=list(stats.accepted_per_position or [0] * args.k))
     steps, tokens = run(system, prompts, max_tokens, device)
@@ -338,8 +376,9 @@ def run_speculative(system: System, oracle: Engine, prompts, plain_tokens: dict,
             "num_accepted_tokens": accepted,
             "accepted_per_position": per_position,
         },
-        "intended_accepted": counts.intended,
-        "fidelity": accepted / counts.intended if counts.intended else None,
+        "pipelined_request_steps": counts.pipelined,
+        "intended_accepted": counts.intended if not counts.pipelined else None,  # pipelined drafts: not counted
+        "fidelity": accepted / counts.intended if counts.intended and not counts.pipelined else None,
         "oracle_refreshes": continuations.num_refreshed,
         "excluded_s": system.log.excluded_s,
         "plain_match": token_match([plain_tokens[i] for i in ids], [tokens[i] for i in ids]),

@@ -92,6 +92,15 @@ def test_with_dspark_draft_layers_the_tokens_are_still_plain_decodings(tmp_path)
     report = _run(tmp_path, "--batches", "2", "--max-tokens", "10", "--drafter", "dspark")
     assert "DSpark" in report["drafter"] and report["build_seconds"]["drafter_s"] > 0
     assert report["model"]["config"]["num_nextn_predict_layers"] == 3
+    assert all(how.startswith("asynchronous") for how in report["spec_scheduling"].values())
     for mode in ("fixed", "adaptive"):
         result = report["batches"]["2"][mode]
         assert result["plain_match_fraction"] == 1.0 and result["spec_stats"]["num_accepted_tokens"] > 0
+        # steps planned while the one before ran took the profile drafts on the device (DeviceDrafts)
+        assert result["pipelined_request_steps"] > 0 and result["fidelity"] is None
+    # those drafts are accepted as the host's would be: the tokens a verify step yields match a synchronous run's
+    sync = _run(tmp_path, "--batches", "2", "--max-tokens", "10", "--drafter", "dspark", "--spec-scheduling", "sync")
+    assert all(how == "synchronous" for how in sync["spec_scheduling"].values())
+    fixed, fixed_sync = report["batches"]["2"]["fixed"], sync["batches"]["2"]["fixed"]
+    assert fixed_sync["pipelined_request_steps"] == 0 and fixed_sync["fidelity"] == 1.0
+    assert fixed["spec_stats"]["num_accepted_tokens"] == fixed_sync["spec_stats"]["num_accepted_tokens"]
