@@ -120,7 +120,8 @@ class DeviceDrafts:
             if done >= len(draws):
                 break
             truth = tokens[done : done + self.k]
-            truth += [(truth[-1] if truth else tokens[j]) + 1] * (self.k - len(truth))  # past what is known: wrong
+            wrong = ((truth[-1] if truth else tokens[j]) + 1) % self.vocab_size  # past what is known
+            truth += [wrong] * (self.k - len(truth))
             drafts, _ = profile_drafts(truth, draws[done], self.vocab_size)
             self.entries[(prompt_len + j) * self.vocab_size + tokens[j]] = drafts, draws[done].confidence[: self.k]
 

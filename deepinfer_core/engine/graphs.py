@@ -171,9 +171,11 @@ class DecodeGraphs:
         if replay is None:
             step = self._draft_steps[key] = self._draft_step(key, k)  # held, as the target's steps are
             replay = self._draft_replays[key] = self.capture.capture(step)
-        drafts = replay()[:batch]
+        # copied out of the graph's memory: they outlive the step (the next one reads them on the device), and a
+        # graph's outputs last only until another graph of its memory pool runs (another engine's, in one process)
+        drafts = replay()[:batch].clone()
         confidence = self._confidence.get(key)
-        return drafts, None if confidence is None else confidence[:batch]
+        return drafts, None if confidence is None else confidence[:batch].clone()
 
     def _draft_step(self, key: tuple[int, int, int], k: int) -> Callable[[], torch.Tensor]:
         from deepinfer_core.model.mtp import DraftInputs  # a model module: needed only with a drafter

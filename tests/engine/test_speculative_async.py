@@ -193,6 +193,45 @@ def test_steps_that_need_results_on_the_host_wait_for_them(dspark_checkpoint, pi
     assert any(ids for length, ids in zip(lengths, pipelined) if length >= 10), "never pipelined past min_tokens"
 
 
+class SharedPool(ReplayByCalling):
+    """ReplayByCalling whose graphs hand back their outputs in one buffer per dtype, as graphs captured into one
+    memory pool may place them: a replay overwrites what another graph's replay returned."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.buffers: dict[torch.dtype, torch.Tensor] = {}
+
+    def capture(self, step):
+        replay = super().capture(step)
+
+        def shared():
+            out = replay()
+            buffer = self.buffers.setdefault(out.dtype, out.new_empty(1 << 20))
+            return buffer[: out.numel()].view(out.shape).copy_(out)
+
+        return shared
+
+
+def test_engines_sharing_a_graph_memory_pool_interleave(dspark_checkpoint, pipelined):
+    """Two pipelining engines whose graphs share one memory pool (one backend's capture), stepped in turn: what one
+    step leaves for the next on the device (its drafts) must not live in graph memory another engine's replay
+    overwrites. Both give the plain output."""
+    prompts = _prompts(338)
+    plain = _outputs(_llm(dspark_checkpoint), prompts, PARAMS)
+    pool, spec = SharedPool(), {"method": "dspark", "num_speculative_tokens": K}
+    engines = [_steered(dspark_checkpoint, prompts, plain, 338, spec, pool).engine for _ in range(2)]
+    got = [{}, {}]
+    for engine in engines:
+        for i, (prompt, params) in enumerate(zip(prompts, PARAMS)):
+            engine.add_request(str(i), prompt, params)
+    while any(engine.has_unfinished() for engine in engines):
+        for engine, outputs in zip(engines, got):
+            for output in engine.step():
+                outputs[int(output.request_id)] = output.outputs[0].token_ids
+    assert [[g[i] for i in range(len(prompts))] for g in got] == [plain, plain]
+    assert any(pipelined) and all(engine.spec_stats.num_accepted_tokens > 0 for engine in engines)
+
+
 @pytest.mark.parametrize(
     "spec",
     [{"method": "ngram", "num_speculative_tokens": 2}, {"method": "dspark", "num_speculative_tokens": 2,
