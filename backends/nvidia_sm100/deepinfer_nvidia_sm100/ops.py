@@ -177,10 +177,9 @@ class NvidiaOps:
 
 
 class NvidiaAttention:
-    """Implements AttentionOps, V4AttentionOps and V41AttentionOps by Triton kernels (block_attention by torch ops)
-    over the row-per-slot caches of a layout with one row per slot (`KVLayout.slot_is_row`: `PackedKVLayout`'s
-    paged, compressed paged and sliding-window rings, DeepSeek-V4.1's KV in FP8 / FP4 among them), with no host
-    reads.
+    """Implements AttentionOps, V4AttentionOps and V41AttentionOps by Triton kernels over the row-per-slot caches of
+    a layout with one row per slot (`KVLayout.slot_is_row`: `PackedKVLayout`'s paged, compressed paged and
+    sliding-window rings, DeepSeek-V4.1's KV in FP8 / FP4 among them), with no host reads.
 
     sparse_attention, block_attention, indexer_topk and indexer_select read q and caches of one float32 / bfloat16 /
     float16 dtype, or caches packed in their spec's stored_format, one cached head; anything else is refused with a
@@ -235,11 +234,9 @@ class NvidiaAttention:
         sinks: torch.Tensor,
         scale: float,
     ) -> torch.Tensor:
-        """kernels.block_attention: the ring read through the layout (a packed one decoded as it reads it)."""
+        """kernels.block_attention (a packed ring staged, as sparse_attention's)."""
         self._check_reads("block_attention", q, [("kv", kv, None), ("ring", ring, ring_spec)])
-        return block_attention.block_attention(
-            q, kv, ring, ring_spec, self.layout, meta, sinks=sinks, scale=scale, fixed_tiles=self.batch_invariant
-        )
+        return block_attention.block_attention(q, kv, ring, ring_spec, meta, sinks=sinks, scale=scale)
 
     def _check_reads(self, op: str, q: torch.Tensor, tensors: list) -> None:
         """Raise ValueError unless the kernels read q and `tensors` [(name, tensor, its CacheSpec or None)]."""

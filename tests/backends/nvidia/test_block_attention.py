@@ -1,7 +1,7 @@
-"""DSpark's block attention (kernels.block_attention) against ReferenceAttention.block_attention, on CPU: ragged
-draft blocks over rings whose unseen slots hold poison, plain or packed in V4.1's FP8 window format, with and
-without meta.max_query_len; and by the fixed-tiling GEMM (batch-invariant mode, under Triton's interpreter),
-whose rows must not depend on the other sequences of the step."""
+"""DSpark's block attention (kernels.block_attention, a Triton kernel: here under Triton's interpreter) against
+ReferenceAttention.block_attention, on CPU: ragged draft blocks over rings whose unseen slots hold poison, plain or
+packed in V4.1's FP8 window format, with and without meta.max_query_len; a row's bits must not depend on the other
+sequences of the step (batch-invariant mode and default alike: the kernel has one tiling)."""
 
 from __future__ import annotations
 
@@ -106,9 +106,8 @@ def test_block_attention_matches_reference(dtype, ring, max_query_len):
 
 
 @pytest.mark.usefixtures("fixed_order_dot")
-def test_fixed_tiles_match_reference_and_rows_do_not_depend_on_the_batch():
-    """Batch-invariant mode: the products by kernels.gemm; each sequence alone (same max_query_len) gives its rows'
-    bits in the step."""
+def test_rows_do_not_depend_on_the_batch():
+    """Batch-invariant mode: each sequence alone gives its rows' bits in the step."""
     step = draft(ReferenceKVLayout(CPU, 16), torch.float32, max_query_len=LONGEST)
     attention = NvidiaAttention(step.layout, batch_invariant=True)
     full = step.attend(attention)

@@ -120,6 +120,24 @@ def launch_packed_reads(dtype: torch.dtype) -> None:
         indexer.index_scores(index_q, torch.randn(4, 64), keys, keys_spec, meta, 128, scale=128**-0.5, stage=stage)
 
 
+def launch_dspark_block(dtype: torch.dtype) -> None:
+    """DSpark's block attention at V4.1 Flash's width: 64 heads of 512 over the window ring (128 + 6), plain and
+    packed in the FP8 window format (staged), blocks of 5 rows."""
+    from deepinfer_core.backend.ops import AttentionMetadata
+    from deepinfer_core.kv.layout import CacheKind, CacheSpec
+    from deepinfer_nvidia_sm100.kernels import block_attention
+
+    meta = AttentionMetadata(torch.tensor([0, 5, 10]), torch.tensor([300, 70]), torch.zeros(2, 1).long(),
+                             torch.arange(10), seq_slots=torch.tensor([1, 0]), window_starts=torch.zeros(2).long(),
+                             max_query_len=5)  # fmt: skip
+    q, kv, sinks = torch.randn(10, 64, 512).to(dtype), torch.randn(10, 512).to(dtype), torch.zeros(64)
+    for stored_format, ring in (("", torch.zeros(268, 1, 512, dtype=dtype)),
+                                ("fp8_e4m3/pow2:32", torch.zeros(268, 528, dtype=torch.uint8))):  # fmt: skip
+        spec = CacheSpec(CacheKind.SLIDING_WINDOW, dtype, 1, 512, window=128, rollback_slots=6,
+                         stored_format=stored_format)  # fmt: skip
+        block_attention.block_attention(q, kv, ring, spec, meta, sinks=sinks, scale=0.04)
+
+
 def launch_v41(dtype: torch.dtype) -> None:
     """DeepSeek-V4.1's ops: hyper-connections of 4 streams of 5120 (the rms of the mixing GEMM's input, hc_mixes'
     pre, the collapse by a given pre, the float32 expansion), the block roundings of the window KV and compressed
@@ -190,6 +208,7 @@ def launch_everything() -> None:
                                       value_dim=value, value_offset=offset)  # fmt: skip
         launch_v4_attention(dtype)
         launch_v41(dtype)
+        launch_dspark_block(dtype)
     for config in (
         RoutingConfig(num_experts=64, top_k=6, method="noaux_tc", scoring="sigmoid", normalize=True),
         RoutingConfig(num_experts=256, top_k=8, method="noaux_tc", scoring="sigmoid", num_groups=8, topk_groups=4),

@@ -29,6 +29,7 @@ def test_all_kernels_compile_for_sm90():
         *("_round_kernel", "_pack_kernel", "_engram_gate_kernel", "_unpack_rows_kernel"),
         *("_sparse_attention_kernel", "_sparse_attention_split_kernel", "_merge_splits_kernel"),
         "_index_scores_kernel",
+        "_block_attention_kernel",
     }
     assert kernels == expected, f"compiled {sorted(kernels)}"
     # DeepSeek-V4's specialisations: the swiglu limit in both activations, sqrtsoftplus scores, hash routing,
