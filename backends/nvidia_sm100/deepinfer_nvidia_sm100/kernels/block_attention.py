@@ -27,11 +27,10 @@ from deepinfer_nvidia_sm100.kernels.packed import format_code, stage_ring
 from deepinfer_nvidia_sm100.kernels.sparse_attention import (
     LOG2E,
     SPLIT_KEYS,
-    _merge,
     _query_heads,
     _sink_state,
     _store_out,
-    _window_split,
+    _window,
 )
 
 __all__ = ["block_attention", "block_metadata"]
@@ -53,12 +52,10 @@ def _block_attention_kernel(
     heads, live, d, in_d, q = _query_heads(q_ptr, t, head_block, H, sq_t, sq_h, D, BD, BLOCK_H)
     m, denom, acc = _sink_state(sinks_ptr, heads, live, BD)
     ring_base = tl.load(seq_slots_ptr + seq) * RING
-    for split in range(0, (last - since + SPLIT) // SPLIT):
-        split_m, split_denom, split_acc = _window_split(
-            q, split, kv_ptr, ring_ptr, skv, sring, ring_base, since, last, first, row0, d, in_d, scale_log2,
-            RING, SPLIT, BLOCK_N, F32,
-        )  # fmt: skip
-        m, denom, acc = _merge(m, denom, acc, split_m, split_denom, split_acc)
+    m, denom, acc = _window(
+        q, m, denom, acc, kv_ptr, ring_ptr, skv, sring, ring_base, since, last, first, row0, d, in_d, scale_log2,
+        RING, SPLIT, BLOCK_N, F32,
+    )  # fmt: skip
     _store_out(out_ptr, t, heads, d, live[:, None] & in_d[None, :], denom, acc, so_t, so_h)
 
 

@@ -150,6 +150,21 @@ def _window_split(
 
 
 @triton.jit
+def _window(
+    q, m, denom, acc, kv_ptr, ring_ptr, skv, sring, ring_base, since, pos, first, row0, d, in_d, scale_log2,
+    RING: tl.constexpr, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, F32: tl.constexpr,
+):  # fmt: skip
+    """The running state with the window's splits (positions since .. pos) folded in, one after the other."""
+    for split in range(0, (pos - since + SPLIT) // SPLIT):
+        split_m, split_denom, split_acc = _window_split(
+            q, split, kv_ptr, ring_ptr, skv, sring, ring_base, since, pos, first, row0, d, in_d, scale_log2,
+            RING, SPLIT, BLOCK_N, F32,
+        )  # fmt: skip
+        m, denom, acc = _merge(m, denom, acc, split_m, split_denom, split_acc)
+    return m, denom, acc
+
+
+@triton.jit
 def _compressed_split(
     q, split, comp_ptr, scomp, table, idx_row, K, visible, d, in_d, scale_log2, PER_BLOCK: tl.constexpr,
     COMPRESSED: tl.constexpr, INDEXED: tl.constexpr, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, F32: tl.constexpr,
@@ -202,12 +217,10 @@ def _sparse_attention_kernel(
     m, denom, acc = _sink_state(sinks_ptr, heads, live, BD)
 
     ring_base = tl.load(seq_slots_ptr + seq) * RING
-    for split in range(0, (pos - since + SPLIT) // SPLIT):
-        split_m, split_denom, split_acc = _window_split(
-            q, split, kv_ptr, ring_ptr, skv, sring, ring_base, since, pos, first, row0, d, in_d, scale_log2,
-            RING, SPLIT, BLOCK_NW, F32,
-        )  # fmt: skip
-        m, denom, acc = _merge(m, denom, acc, split_m, split_denom, split_acc)
+    m, denom, acc = _window(
+        q, m, denom, acc, kv_ptr, ring_ptr, skv, sring, ring_base, since, pos, first, row0, d, in_d, scale_log2,
+        RING, SPLIT, BLOCK_NW, F32,
+    )  # fmt: skip
     if COMPRESSED:
         table, idx_row = tables_ptr + seq.to(tl.int64) * st_b, idx_ptr + t.to(tl.int64) * sidx
         keys = K if INDEXED else visible
