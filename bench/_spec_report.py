@@ -112,7 +112,7 @@ def git_head() -> str | None:
 
 
 def plot(path: Path, batches: dict, k: int, title: str) -> dict:
-    """Decode tokens/s against sequences for the three modes; beside it, drafts verified per request-step."""
+    """Decode tokens/s against sequences for each mode; beside it, drafts verified per request-step."""
     try:
         import matplotlib
 
@@ -121,9 +121,11 @@ def plot(path: Path, batches: dict, k: int, title: str) -> dict:
     except ImportError:
         return {"written": False, "reason": "matplotlib is not installed"}
     xs = [int(b) for b in batches]
-    labels = {"plain": "plain decoding", "fixed": f"verify all {k} drafts", "adaptive": "adaptive verification"}
+    labels = {"plain": "plain decoding", "fixed": f"verify all {k} drafts", "adaptive": "adaptive verification",
+              "fixed_sync": f"verify all {k} drafts, scheduled synchronously"}  # fmt: skip
+    labels = {mode: label for mode, label in labels.items() if mode in batches[str(xs[0])]}
     fig, (rate, verified) = plt.subplots(1, 2, figsize=(12, 4.5))
-    for (mode, label), color in zip(labels.items(), ("C0", "C1", "C2")):
+    for (mode, label), color in zip(labels.items(), ("C0", "C1", "C2", "C3")):
         rate.plot(xs, [batches[str(b)][mode]["tokens_per_s"] for b in xs], marker="o", color=color, label=label)
         if mode != "plain":
             ys = [batches[str(b)][mode]["drafts_verified_per_request_step"] for b in xs]

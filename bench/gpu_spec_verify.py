@@ -84,6 +84,8 @@ DRAFTERS = {
     "drafts, so the acceptance is still SIMULATED but the drafter's time is real",
 }
 SPECULATIVE = ("fixed", "adaptive")
+# with a draft model scheduled asynchronously, fixed-k scheduled synchronously too, in the same run: the baseline
+SYNC_BASELINE = "fixed_sync"
 DEEPSEEK_REPORTED = (
     "DeepSeek's adaptive verification with DSpark drafts, as quoted in bench/README.md (spec_planner_sim.py's "
     "section): -1.5% at 16 sequences to +11% at 96, +4-7% at ~60; 3.2-4.4 of 5 drafts verified"
@@ -200,7 +202,8 @@ def main(argv: list[str] | None = None) -> int:
             mode: "asynchronous: a draft model's verify steps pipelined, their drafts looked up on the device"
             if systems[mode].engine.async_scheduling
             else "synchronous"
-            for mode in SPECULATIVE
+            for mode in systems
+            if mode != "plain"
         },
         "workload": workload(args, systems["plain"].engine.config),
         "acceptance": {
@@ -223,7 +226,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"batch {b} ({perf_counter() - t0:.0f} s): plain {row['plain']['tokens_per_s']:.0f} tok/s, "
               f"fixed-{args.k} {row['fixed']['tokens_per_s']:.0f}, adaptive {row['adaptive']['tokens_per_s']:.0f} "
               f"({100 * row['adaptive_vs_fixed']:+.1f}%), drafts verified "
-              f"{row['adaptive']['drafts_verified_per_request_step']:.2f} of {args.k}", flush=True)  # fmt: skip
+              f"{row['adaptive']['drafts_verified_per_request_step']:.2f} of {args.k}"
+              + (f"; fixed-{args.k} scheduled synchronously {row[SYNC_BASELINE]['tokens_per_s']:.0f}"
+                 if SYNC_BASELINE in row else ""), flush=True)  # fmt: skip
         if device.type == "cuda":
             report["max_memory_allocated_bytes"] = torch.cuda.max_memory_allocated(device)
         report["plot"] = plot(args.plot or out.with_suffix(".png"), batches, args.k, title)
@@ -234,20 +239,23 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def build_systems(model, backend, args, seconds: dict, drafter=None) -> tuple[dict[str, System], Engine]:
-    """The plain, fixed and adaptive engines on `model`, and the oracle (a plain engine for Continuations); each
-    one's build time goes to `seconds` (adaptive's includes its start-up step-cost profile). `drafter`: the
-    speculative engines' draft model (its drafts are replaced by the profile drafts; its work is not)."""
-    systems, oracle, device_drafts = {}, None, None
+    """The plain, fixed and adaptive engines on `model` (with a draft model scheduled asynchronously, also fixed
+    scheduled synchronously: SYNC_BASELINE), and the oracle (a plain engine for Continuations); each one's build
+    time goes to `seconds` (adaptive's includes its start-up step-cost profile). `drafter`: the speculative
+    engines' draft model (its drafts are replaced by the profile drafts; its work is not)."""
+    systems, oracle, device_drafts, modes = {}, None, None, MODES
     if drafter is not None and args.spec_scheduling == "async":  # one table: the engines share the drafter
         capacity = 4 * max(args.batches) * (max(args.max_tokens, args.warmup_tokens) + args.k + 1)
         device_drafts = DeviceDrafts(drafter, args.k, model.config.vocab_size, capacity, backend.torch_device)
-    for mode in (*MODES, "oracle"):
+        modes = (*MODES, SYNC_BASELINE)
+    for mode in (*modes, "oracle"):
         t0 = perf_counter()
-        spec = None if mode in ("plain", "oracle") else _speculative(args.k, mode, drafter is not None)
+        verify = "fixed" if mode == SYNC_BASELINE else mode
+        spec = None if mode in ("plain", "oracle") else _speculative(args.k, verify, drafter is not None)
         watch = _LastStep()
         config = _engine_config(args, backend.kv_layout.block_size, spec)
         if spec is not None:  # async: wherever the engine can (it is the backend's default, forced on a CPU smoke run)
-            config = replace(config, async_scheduling=args.spec_scheduling == "async")
+            config = replace(config, async_scheduling=args.spec_scheduling == "async" and mode != SYNC_BASELINE)
         engine = Engine(model, backend, None, config, (), [watch], drafter=drafter if spec else None)
         seconds[f"{mode}_engine_s"] = perf_counter() - t0
         if mode == "oracle":
@@ -288,23 +296,26 @@ def measure_batch(systems: dict[str, System], oracle: Engine, batch: int, args, 
     """Warm-up, then `repeats` rounds of plain / fixed / adaptive on fresh prompts -> {mode: result, gains}."""
     warm = make_prompts(batch, args.prompt_len, vocab, args.seed * 100_000 + batch * 100 + 99)
     _, warm_tokens = run(systems["plain"], warm, args.warmup_tokens, device)
-    for mode in SPECULATIVE:
+    speculative = [mode for mode in systems if mode != "plain"]
+    for mode in speculative:
         draws = _draws(args, batch, "warm-up", args.warmup_tokens)
         run_speculative(systems[mode], oracle, warm, warm_tokens, draws, args.warmup_tokens, args, device)
-    rounds = {mode: [] for mode in MODES}
+    rounds = {mode: [] for mode in systems}
     for r in range(args.repeats):
         prompts = make_prompts(batch, args.prompt_len, vocab, args.seed * 100_000 + batch * 100 + r)
         steps, plain_tokens = run(systems["plain"], prompts, args.max_tokens, device)
         rounds["plain"].append(decode_summary(steps, batch))
         draws = _draws(args, batch, r, args.max_tokens)
-        for mode in SPECULATIVE if r % 2 == 0 else SPECULATIVE[::-1]:
+        for mode in speculative if r % 2 == 0 else speculative[::-1]:
             result = run_speculative(systems[mode], oracle, prompts, plain_tokens, draws, args.max_tokens, args, device)
             rounds[mode].append(result)
-    row = {mode: combine(rounds[mode]) for mode in MODES}
-    rate = {mode: row[mode]["tokens_per_s"] for mode in MODES}
+    row = {mode: combine(rounds[mode]) for mode in systems}
+    rate = {mode: row[mode]["tokens_per_s"] for mode in systems}
     row["adaptive_vs_fixed"] = rate["adaptive"] / rate["fixed"] - 1
     row["fixed_vs_plain"] = rate["fixed"] / rate["plain"] - 1
     row["adaptive_vs_plain"] = rate["adaptive"] / rate["plain"] - 1
+    if SYNC_BASELINE in rate:
+        row["fixed_async_vs_sync"] = rate["fixed"] / rate[SYNC_BASELINE] - 1
     return row
 
 

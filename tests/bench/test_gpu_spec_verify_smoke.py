@@ -92,15 +92,19 @@ def test_with_dspark_draft_layers_the_tokens_are_still_plain_decodings(tmp_path)
     report = _run(tmp_path, "--batches", "2", "--max-tokens", "10", "--drafter", "dspark")
     assert "DSpark" in report["drafter"] and report["build_seconds"]["drafter_s"] > 0
     assert report["model"]["config"]["num_nextn_predict_layers"] == 3
-    assert all(how.startswith("asynchronous") for how in report["spec_scheduling"].values())
+    assert all(report["spec_scheduling"][mode].startswith("asynchronous") for mode in ("fixed", "adaptive"))
     for mode in ("fixed", "adaptive"):
         result = report["batches"]["2"][mode]
         assert result["plain_match_fraction"] == 1.0 and result["spec_stats"]["num_accepted_tokens"] > 0
         # steps planned while the one before ran took the profile drafts on the device (DeviceDrafts)
         assert result["pipelined_request_steps"] > 0 and result["fidelity"] is None
-    # those drafts are accepted as the host's would be: the tokens a verify step yields match a synchronous run's
-    sync = _run(tmp_path, "--batches", "2", "--max-tokens", "10", "--drafter", "dspark", "--spec-scheduling", "sync")
-    assert all(how == "synchronous" for how in sync["spec_scheduling"].values())
-    fixed, fixed_sync = report["batches"]["2"]["fixed"], sync["batches"]["2"]["fixed"]
+    # those drafts are accepted as the host's would be: as many as by fixed-k scheduled synchronously, in the same run
+    assert report["spec_scheduling"]["fixed_sync"] == "synchronous"
+    row = report["batches"]["2"]
+    fixed, fixed_sync = row["fixed"], row["fixed_sync"]
     assert fixed_sync["pipelined_request_steps"] == 0 and fixed_sync["fidelity"] == 1.0
+    assert fixed_sync["plain_match_fraction"] == 1.0 and "fixed_async_vs_sync" in row
     assert fixed["spec_stats"]["num_accepted_tokens"] == fixed_sync["spec_stats"]["num_accepted_tokens"]
+    sync = _run(tmp_path, "--batches", "2", "--max-tokens", "6", "--drafter", "dspark", "--spec-scheduling", "sync")
+    assert set(sync["spec_scheduling"]) == {"fixed", "adaptive"}
+    assert all(how == "synchronous" for how in sync["spec_scheduling"].values())
