@@ -111,7 +111,7 @@ def run_system(
     llm.generate([warm_up], PARAMS)  # compiles and caches kernels; its tokens share nothing with the prompts
     scheduler = llm.engine.scheduler
     schedule, steps = scheduler.schedule, []
-    scheduler.schedule = lambda: steps.append(schedule()) or steps[-1]  # records every step
+    scheduler.schedule = lambda *a: steps.append(schedule(*a)) or steps[-1]  # records every step
     logprobs = record_logprobs(llm)
     seconds, computed, cached, first, rows = [], [], [], [], []
     for suffix in suffixes:
