@@ -193,6 +193,36 @@ def test_steps_that_need_results_on_the_host_wait_for_them(dspark_checkpoint, pi
     assert any(ids for length, ids in zip(lengths, pipelined) if length >= 10), "never pipelined past min_tokens"
 
 
+def test_logprobs_samples_and_an_abort_while_pipelined(dspark_checkpoint, pipelined):
+    """Logprobs (top 2) of seeded top-k samples (n = 2, one sequence each) are plain decoding's, bit for bit on
+    rowwise_cpu; a request aborted while its step is in flight leaves the others as they were."""
+    prompts = _prompts(338)
+    sampled = SamplingParams(temperature=0.8, top_k=20, seed=7, n=2, max_tokens=14, ignore_eos=True, logprobs=2)
+    params = [sampled, GREEDY, SEEDED]
+    want = _llm(dspark_checkpoint).generate(prompts, params, use_tqdm=False)
+    plain = [o.outputs[0].token_ids for o in want]
+    llm = _steered(dspark_checkpoint, prompts, plain, 338, {"method": "dspark", "num_speculative_tokens": K},
+                   ReplayByCalling())  # fmt: skip
+    engine, finals = llm.engine, {}
+    for i, (prompt, p) in enumerate(zip(prompts, params)):
+        engine.add_request(str(i), prompt, p)
+    while engine.has_unfinished():
+        for output in engine.step():
+            if output.finished:
+                finals[output.request_id] = output
+            elif output.request_id == "2" and len(output.outputs[0].token_ids) >= 5:
+                assert engine._in_flight is not None and any(pipelined), "not aborted while pipelined"
+                engine.abort("2")
+    assert set(finals) == {"0", "1"}  # the aborted request reports nothing more
+    for got, expected in zip(finals["0"].outputs, want[0].outputs):
+        assert got.token_ids == expected.token_ids
+        assert [{t: lp.logprob for t, lp in g.items()} for g in got.logprobs] == [
+            {t: lp.logprob for t, lp in w.items()} for w in expected.logprobs
+        ]
+    assert finals["1"].outputs[0].token_ids == plain[1]
+    assert engine.spec_stats.num_accepted_tokens > 0
+
+
 class SharedPool(ReplayByCalling):
     """ReplayByCalling whose graphs hand back their outputs in one buffer per dtype, as graphs captured into one
     memory pool may place them: a replay overwrites what another graph's replay returned."""
