@@ -23,6 +23,7 @@ class InFlightTokens:
     rows: dict[Request, int]  # request -> its row in token_ids
     accepted: torch.Tensor | None = None  # [R] int64: drafts the request accepted (its positions run ahead by that)
     drafts: torch.Tensor | None = None  # [R, k] int64: the drafts each request's next step verifies
+    verified: dict[Request, int] | None = None  # drafts the step verifies per request: the most it may accept
 
     def values(self) -> torch.Tensor:
         """token_ids, then the drafts row by row: what `source` indexes."""
@@ -101,7 +102,9 @@ class LaunchedStep:
         if output.accepted is None:  # one row a request
             return InFlightTokens(output.tokens.token_ids, {r: row for row, r in enumerate(self.sampled)})
         requests = dict.fromkeys(self.sampled)  # a verify step samples a request on several rows
-        return InFlightTokens(output.newest, {r: i for i, r in enumerate(requests)}, output.accepted, output.drafts)
+        rows = {r: i for i, r in enumerate(requests)}
+        verified = {r: len(self.drafts.get(r, ())) for r in requests}
+        return InFlightTokens(output.newest, rows, output.accepted, output.drafts, verified)
 
     @property
     def pipelinable(self) -> bool:

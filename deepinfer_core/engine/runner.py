@@ -94,7 +94,7 @@ class ModelRunner:
         fill_at, fill_from = [], []  # index in token_ids <- index in in_flight.values()
         ahead_rows = []  # per sequence: its row in in_flight.accepted, or -1 (the host knows its positions)
         offsets = []  # per sampled row, the drafts before it
-        uniform = self._uniform_queries(scheduled)
+        uniform = self._uniform_queries(scheduled, in_flight)
         for row, (request, count) in enumerate(scheduled):
             begin, end = request.num_computed_tokens, request.num_computed_tokens + count
             drafts = request.draft_token_ids  # verified after the request's last token
@@ -178,11 +178,14 @@ class ModelRunner:
             ahead,
         )
 
-    def _uniform_queries(self, scheduled: Sequence[tuple[Request, int]]) -> int | None:
+    def _uniform_queries(
+        self, scheduled: Sequence[tuple[Request, int]], in_flight: InFlightTokens | None = None
+    ) -> int | None:
         """q when the step is uniform (AttentionMetadata.uniform_decode): every request runs its last token and
         its drafts (q at most 1 + num_draft_tokens), none of them in its cached prefix or a replay, none owed
         prompt logprobs, and all the same number of them, or the step replays a graph and each is padded to
-        the most, q (its KV blocks and the model's positions hold the filler); None otherwise."""
+        the most, q (its KV blocks and the model's positions hold the filler, also where the request's drafts in
+        flight are all accepted); None otherwise."""
         counts = [count for _, count in scheduled]
         most = max(counts)
         if most > 1 + self.num_draft_tokens:
@@ -198,8 +201,10 @@ class ModelRunner:
         width = max(len(request.block_ids) for request, _ in scheduled)
         if self.graphs is None or not self.graphs.fits(len(scheduled), width, most):
             return None
+        verified = in_flight.verified if in_flight is not None and in_flight.verified is not None else {}
         for request, _ in scheduled:
-            last = request.num_computed_tokens + most - 1
+            ahead = verified.get(request, 0)  # drafts in flight: all may be accepted
+            last = request.num_computed_tokens + ahead + most - 1
             if last >= len(request.block_ids) * self.block_size or last > self.max_position:
                 return None
         return most

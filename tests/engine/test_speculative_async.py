@@ -20,6 +20,8 @@ from deepinfer_core.backend.registry import discover
 from deepinfer_core.backend.resolve import resolve_backend
 from deepinfer_core.backend.selection import select_backend
 from deepinfer_core.engine.llm import LLM
+from deepinfer_core.engine.pending import InFlightTokens
+from deepinfer_core.engine.request import Request
 from deepinfer_core.engine.runner import ModelRunner
 from deepinfer_core.engine.scheduler import Scheduler
 from deepinfer_core.sampling.params import SamplingParams
@@ -221,6 +223,31 @@ def test_logprobs_samples_and_an_abort_while_pipelined(dspark_checkpoint, pipeli
         ]
     assert finals["1"].outputs[0].token_ids == plain[1]
     assert engine.spec_stats.num_accepted_tokens > 0
+
+
+def test_a_step_is_padded_only_where_drafts_in_flight_may_all_be_accepted(dspark_checkpoint):
+    """Padding a verify step writes filler past each sequence's tokens; a sequence whose drafts in flight may all be
+    accepted runs that much further, so its blocks must hold the filler from there (else the step is not uniform)."""
+    runner = _llm(dspark_checkpoint, ReplayByCalling(), {"method": "dspark", "num_speculative_tokens": K}).engine.runner
+
+    def decoding(name: str, blocks: list[int], drafts: int) -> tuple[Request, int]:
+        request = Request(name, None, list(range(2, 10)), GREEDY, seed=0, arrival=0)
+        request.output_token_ids, request.num_pending_tokens = [11, 12], 1  # 11 tokens, the newest in flight
+        request.num_computed_tokens, request.block_ids, request.draft_token_ids = 10, blocks, [0] * drafts
+        return request, 1 + drafts
+
+    verifying, alone = decoding("a", [0, 1], K), decoding("b", [2], 0)  # b: its block holds positions 0..15
+    scheduled = [verifying, alone]
+    assert runner._uniform_queries(scheduled) == 1 + K  # b padded to 4 tokens: positions 10..13
+
+    def in_flight(verified: int) -> InFlightTokens:
+        requests = {verifying[0]: 0, alone[0]: 1}
+        zeros = torch.zeros(2, dtype=torch.int64)
+        return InFlightTokens(zeros, requests, zeros, torch.zeros(2, K, dtype=torch.int64),
+                              {verifying[0]: K, alone[0]: verified})  # fmt: skip
+
+    assert runner._uniform_queries(scheduled, in_flight(2)) == 1 + K  # at most 12..15: in its block
+    assert runner._uniform_queries(scheduled, in_flight(3)) is None  # up to 16: past it
 
 
 class SharedPool(ReplayByCalling):

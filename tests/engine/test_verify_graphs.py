@@ -75,8 +75,8 @@ def uniform_steps(monkeypatch):
     seen = []
     original = ModelRunner._uniform_queries
 
-    def spy(self, scheduled):
-        q = original(self, scheduled)
+    def spy(self, scheduled, in_flight=None):
+        q = original(self, scheduled, in_flight)
         if q is not None:
             seen.append((q, [count for _, count in scheduled]))
         return q
