@@ -9,9 +9,9 @@ import torch
 from deepinfer_core.engine.request import Request
 from deepinfer_core.engine.scheduler import ScheduledStep
 from deepinfer_core.engine.step_batch import StepOutput
-from deepinfer_core.engine.transfer import HostCopy
+from deepinfer_core.engine.transfer import HostCopy, to_device
 
-__all__ = ["HostPromptLogprobs", "HostResults", "InFlightTokens", "LaunchedStep"]
+__all__ = ["HostPromptLogprobs", "HostResults", "InFlightTokens", "LaunchedStep", "filled"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,3 +126,11 @@ class LaunchedStep:
         drafts = values.pop(0) if self.output.drafts is not None else None
         confidence = values.pop(0) if self.output.draft_confidence is not None else None
         return HostResults(*tokens, ranks, prompt, drafts, confidence)
+
+
+def filled(tensor: torch.Tensor, at: list[int], sources: list[int], values: torch.Tensor | None) -> torch.Tensor:
+    """`tensor` with its entries `at` replaced by `values[sources]`, on the device (a token still in flight)."""
+    if at:
+        device = tensor.device
+        tensor[to_device(at, device)] = values[to_device(sources, device)]
+    return tensor

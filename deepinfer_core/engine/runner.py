@@ -15,11 +15,12 @@ import torch
 from deepinfer_core.backend.extensions import LogitsProcessor
 from deepinfer_core.backend.ops import AttentionMetadata
 from deepinfer_core.backend.resolve import ResolvedBackend
+from deepinfer_core.engine.drafting import accepted_drafts, drafting_inputs
 from deepinfer_core.engine.graphs import DecodeGraphs
-from deepinfer_core.engine.pending import InFlightTokens
+from deepinfer_core.engine.pending import InFlightTokens, filled
 from deepinfer_core.engine.request import Request
 from deepinfer_core.engine.snapshots import first_needed
-from deepinfer_core.engine.step_batch import DraftingInputs, PromptLogprobs, PromptSpan, StepBatch, StepOutput
+from deepinfer_core.engine.step_batch import PromptLogprobs, PromptSpan, StepBatch, StepOutput
 from deepinfer_core.engine.transfer import to_device
 from deepinfer_core.kv.caches import allocate_caches
 from deepinfer_core.sampling.logprobs import TokenLogprobs, logprobs_of, ranks_of, with_raw_logprobs
@@ -143,7 +144,7 @@ class ModelRunner:
 
         device = self.device
         values = in_flight.values() if fill_at else None
-        tokens = _filled(to_device(token_ids, device), fill_at, fill_from, values)  # [T]
+        tokens = filled(to_device(token_ids, device), fill_at, fill_from, values)  # [T]
         fields = (starts, seq_lens, block_tables, slots, seq_slots, window_starts, cached_lens, needed_from)
         on_device = [to_device(v, device) for v in fields]
         token_positions = to_device(positions, device)
@@ -164,7 +165,10 @@ class ModelRunner:
         last_index = to_device(last, device)
         drafting = None
         if self.drafter is not None:
-            drafting = self._drafting_inputs(scheduled, sample_rows, offsets, uniform, ahead_rows, in_flight, values)
+            drafting = drafting_inputs(
+                scheduled, sample_rows, offsets, uniform, ahead_rows, in_flight, values,
+                block_size=self.block_size, max_position=self.max_position, device=device,
+            )  # fmt: skip
         return StepBatch(
             tokens,
             token_positions,
@@ -208,49 +212,6 @@ class ModelRunner:
             if last >= len(request.block_ids) * self.block_size or last > self.max_position:
                 return None
         return most
-
-    def _drafting_inputs(
-        self,
-        scheduled: Sequence[tuple[Request, int]],
-        sample_rows: list[int],
-        offsets: list[int],
-        uniform: int | None,
-        ahead_rows: list[int],
-        in_flight: InFlightTokens | None,
-        values: torch.Tensor | None,
-    ) -> DraftingInputs:
-        """ahead_rows[i] >= 0: sequence i's drafts are in flight (`in_flight.values()`, given as `values`)."""
-        next_ids, expected, first_row, seq_index, num_drafts, limits = [], [], [], [], [], []
-        next_at, next_from, expected_at, expected_from = [], [], [], []  # filled from `values`, as in prepare
-        for row, (request, count) in enumerate(scheduled):
-            if ahead_rows[row] >= 0:  # the token after its last is its first draft, and so on
-                next_at += range(len(next_ids), len(next_ids) + count - 1)
-                next_from += [in_flight.source(request, j) for j in range(count - 1)]
-                after = [0] * (count - 1)
-            else:
-                begin = request.num_computed_tokens
-                seq = request.all_token_ids + request.draft_token_ids
-                after = seq[begin + 1 : begin + count + 1]
-            next_ids += after + [0] * ((uniform or count) - len(after))  # 0: sampled there, or padding
-        for i, (row, offset) in enumerate(zip(sample_rows, offsets)):
-            request = scheduled[row][0]
-            drafts = request.draft_token_ids
-            if offset < len(drafts) and ahead_rows[row] >= 0:
-                expected_at.append(i)
-                expected_from.append(in_flight.source(request, offset))
-            expected.append(drafts[offset] if offset < len(drafts) else -1)
-            if offset == 0:
-                first_row.append(i)
-                seq_index.append(row)
-                num_drafts.append(len(drafts))
-                limits.append(min(len(request.block_ids) * self.block_size - 1, self.max_position))
-        device = self.device
-        return DraftingInputs(
-            _filled(to_device(next_ids, device), next_at, next_from, values),
-            _filled(to_device(expected, device), expected_at, expected_from, values),
-            *(to_device(v, device) for v in (first_row, seq_index, num_drafts, limits)),
-            max_drafts=max(num_drafts, default=0),
-        )
 
     def _processed_logits(self, logits: torch.Tensor, batch: StepBatch) -> torch.Tensor:
         if not self.logits_processors:
@@ -385,25 +346,13 @@ class ModelRunner:
         tokens, ranks = self.sample(batch, logits, in_flight)
         if self.drafter is None:
             return StepOutput(batch.sampled, tokens, ranks, prompt_logprobs)
-        accepted = self._accepted(batch.drafting, tokens.token_ids)
+        accepted = accepted_drafts(batch.drafting, tokens.token_ids)
         drafts = self._draft(batch, hidden, tokens.token_ids, accepted)
         confidence = None
         if isinstance(drafts, tuple):  # a drafter with a confidence head (DSpark)
             drafts, confidence = drafts
         newest = tokens.token_ids[batch.drafting.first_row + accepted]
         return StepOutput(batch.sampled, tokens, ranks, prompt_logprobs, drafts, confidence, accepted, newest)
-
-    @staticmethod
-    def _accepted(d: DraftingInputs, sampled: torch.Tensor) -> torch.Tensor:
-        """[R] each sampled request's accepted drafts, on the device: its leading rows whose sampled token is the
-        draft that row checks."""
-        width = d.max_drafts
-        if not width:
-            return torch.zeros_like(d.first_row)
-        steps = torch.arange(width, device=sampled.device)
-        rows = (d.first_row[:, None] + steps).clamp(max=sampled.shape[0] - 1)  # [R, width]
-        matches = (sampled[rows] == d.expected[rows]) & (steps < d.num_drafts[:, None])
-        return matches.to(torch.int64).cumprod(dim=1).sum(dim=1)
 
     @torch.inference_mode()
     def _draft(
@@ -430,11 +379,3 @@ class ModelRunner:
             accepted, d.position_limit, self.block_size,
         )  # fmt: skip
         return self.drafter.draft(inputs, caches, self.num_draft_tokens)
-
-
-def _filled(tensor: torch.Tensor, at: list[int], sources: list[int], values: torch.Tensor | None) -> torch.Tensor:
-    """`tensor` with its entries `at` replaced by `values[sources]`, on the device (a token still in flight)."""
-    if at:
-        device = tensor.device
-        tensor[to_device(at, device)] = values[to_device(sources, device)]
-    return tensor
