@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["BackendContractError", "BackendSelectionError", "DeepInferError"]
+__all__ = ["BackendContractError", "BackendSelectionError", "DeepInferError", "RequestError"]
 
 
 class DeepInferError(Exception):
@@ -15,3 +15,7 @@ class BackendSelectionError(DeepInferError):
 
 class BackendContractError(DeepInferError):
     """A backend answered a hook with something the contract does not allow."""
+
+
+class RequestError(DeepInferError):
+    """A request the engine cannot serve as asked (too long, bad ids, no tokenizer for text)."""

@@ -44,6 +44,7 @@ from deepinfer_core.engine.logprobs import LogprobRecorder
 from deepinfer_core.engine.memory import blocks_for_memory
 from deepinfer_core.engine.observers import notify_request, notify_step
 from deepinfer_core.engine.pending import LaunchedStep
+from deepinfer_core.engine.prompts import encode_prompt
 from deepinfer_core.engine.request import Delta, Request, RequestGroup, RequestOutput, RequestStatus
 from deepinfer_core.engine.runner import ModelRunner
 from deepinfer_core.engine.scheduler import Scheduler
@@ -56,16 +57,12 @@ from deepinfer_core.engine.speculative import (
 from deepinfer_core.engine.step_costs import scheduler_options
 from deepinfer_core.engine.stops import find_stop, held_back
 from deepinfer_core.engine.tokenizer import IncrementalDetokenizer, Tokenizer
-from deepinfer_core.errors import DeepInferError
+from deepinfer_core.errors import RequestError
 from deepinfer_core.sampling.params import SamplingParams
 
 __all__ = ["Engine", "EngineConfig", "RequestError"]  # EngineConfig: engine/config.py
 
 log = logging.getLogger(__name__)
-
-
-class RequestError(DeepInferError):
-    """A request the engine cannot serve as asked (too long, bad ids, no tokenizer for text)."""
 
 
 class Engine:
@@ -157,7 +154,7 @@ class Engine:
         if request_id in self._requests:
             raise RequestError(f"request id {request_id!r} is already in use")
         text = prompt if isinstance(prompt, str) else None
-        token_ids = self._encode(prompt)
+        token_ids = encode_prompt(prompt, self.tokenizer, self.model.config.vocab_size)
         limit = self.max_model_len
         if len(token_ids) >= limit:
             raise RequestError(
@@ -204,23 +201,6 @@ class Engine:
             samples.append(sample)
         return samples
 
-    def _encode(self, prompt: str | Sequence[int]) -> list[int]:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise RequestError(
-                    "this model has no tokenizer.json, so prompts must be token ids (--prompt-token-ids)"
-                )
-            token_ids = self.tokenizer.encode(prompt)
-        else:
-            token_ids = [int(t) for t in prompt]
-        if not token_ids:
-            raise RequestError("the prompt is empty")
-        vocab = self.model.config.vocab_size
-        bad = [t for t in token_ids if not 0 <= t < vocab]
-        if bad:
-            raise RequestError(f"prompt token id {bad[0]} is outside the vocabulary (0..{vocab - 1})")
-        return token_ids
-
     def abort(self, request_id: str) -> None:
         """End a request and all its samples; an unknown or finished request id is ignored."""
         group = self._requests.pop(request_id, None)
@@ -259,27 +239,14 @@ class Engine:
 
     def _pipelines(self, step: LaunchedStep) -> bool:
         """Whether the next step may be planned while `step` runs. Without drafts, always: the next step finds each
-        request's newest token on the device. Speculating, after a step of decodes only, whose requests need none
-        of its results on the host: the next step then finds their newest tokens, drafts and accepted counts on
-        the device (InFlightTokens); penalties (they count the output tokens) and a min_tokens still to reach (the
-        host masks stop tokens by the output's length) need them."""
-        if self.spec_stats is None:
-            return True
-        if not step.pipelinable:
-            return False
-        for request, _ in step.scheduled.requests:
-            params = request.params
-            penalized = params.repetition_penalty != 1 or params.presence_penalty or params.frequency_penalty
-            if not request.finished and (penalized or request.masks_stop_tokens()):
-                return False
-        return True
+        request's newest token on the device. Speculating, where `step` lets it (LaunchedStep.pipelines_drafts)."""
+        return self.spec_stats is None or step.pipelines_drafts()
 
     def _launch(self) -> LaunchedStep | None:
         """Plan a step and issue its model and sampler work; its tokens stay on the device."""
         unsettled = None  # speculating, pipelined: the requests whose newest token and drafts are in flight
         if self._in_flight is not None and self.spec_stats is not None:
-            drafts = self._in_flight.drafts
-            unsettled = {request: len(drafts.get(request, ())) for request in self._in_flight.sampled}
+            unsettled = self._in_flight.verified()
         scheduled = self.scheduler.schedule(unsettled)
         if not scheduled.requests:
             return None

@@ -103,14 +103,26 @@ class LaunchedStep:
             return InFlightTokens(output.tokens.token_ids, {r: row for row, r in enumerate(self.sampled)})
         requests = dict.fromkeys(self.sampled)  # a verify step samples a request on several rows
         rows = {r: i for i, r in enumerate(requests)}
-        verified = {r: len(self.drafts.get(r, ())) for r in requests}
-        return InFlightTokens(output.newest, rows, output.accepted, output.drafts, verified)
+        return InFlightTokens(output.newest, rows, output.accepted, output.drafts, self.verified())
 
-    @property
-    def pipelinable(self) -> bool:
-        """Whether every request of the step ran its last token (and drafts) only: the next step's inputs are then
-        each request's newest token and drafts, which it finds on the device (`tokens`)."""
-        return self.num_decode_tokens == self.scheduled.num_tokens
+    def verified(self) -> dict[Request, int]:
+        """Drafts the step verifies per sampled request: the most each may accept (the host learns how many when
+        the step is read)."""
+        return {request: len(self.drafts.get(request, ())) for request in self.sampled}
+
+    def pipelines_drafts(self) -> bool:
+        """Speculating, whether the next step may be planned before this one is read: this one ran decodes only
+        (each request's last token and drafts), so the next finds their newest tokens, drafts and accepted counts
+        on the device (`tokens`), and none of its requests needs them on the host: penalties count the output
+        tokens, and a min_tokens still to reach masks stop tokens by the output's length."""
+        if self.num_decode_tokens != self.scheduled.num_tokens:
+            return False
+        for request, _ in self.scheduled.requests:
+            params = request.params
+            penalized = params.repetition_penalty != 1 or params.presence_penalty or params.frequency_penalty
+            if not request.finished and (penalized or request.masks_stop_tokens()):
+                return False
+        return True
 
     def read(self) -> HostResults:
         """The step's results on the host (blocks until they are here)."""

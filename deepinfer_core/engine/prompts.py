@@ -1,4 +1,5 @@
-"""The prompt forms the offline API takes (vLLM's), and chat conversations rendered with deepseek-recipe."""
+"""The prompt forms the offline API takes (vLLM's), their token ids, and chat conversations rendered with
+deepseek-recipe."""
 
 from __future__ import annotations
 
@@ -7,13 +8,14 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypedDict
 
-from deepinfer_core.errors import DeepInferError
+from deepinfer_core.errors import DeepInferError, RequestError
 
 __all__ = [
     "ChatRenderer",
     "PromptType",
     "TextPrompt",
     "TokensPrompt",
+    "encode_prompt",
     "normalize_conversations",
     "normalize_prompts",
 ]
@@ -155,3 +157,19 @@ def _template_fields(kwargs: Mapping[str, Any] | None) -> dict[str, Any]:
                 f"{', '.join(_THINKING_KEYS)} (bool) and reasoning_effort (str)"
             )
     return fields
+
+
+def encode_prompt(prompt: str | Sequence[int], tokenizer, vocab_size: int) -> list[int]:
+    """A prompt's token ids (text through `tokenizer`), each checked against the vocabulary."""
+    if isinstance(prompt, str):
+        if tokenizer is None:
+            raise RequestError("this model has no tokenizer.json, so prompts must be token ids (--prompt-token-ids)")
+        token_ids = tokenizer.encode(prompt)
+    else:
+        token_ids = [int(t) for t in prompt]
+    if not token_ids:
+        raise RequestError("the prompt is empty")
+    bad = [t for t in token_ids if not 0 <= t < vocab_size]
+    if bad:
+        raise RequestError(f"prompt token id {bad[0]} is outside the vocabulary (0..{vocab_size - 1})")
+    return token_ids
