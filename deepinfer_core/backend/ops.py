@@ -29,6 +29,7 @@ from deepinfer_core.backend._deepseek_ops import (  # the DeepSeek-V4/V4.1-only 
     block_length,
     check_layer_fn,
 )
+from deepinfer_core.backend.weight_formats import MXFP4, BlockFP8  # the quantized weight formats, re-exported
 from deepinfer_core.kv.layout import CacheSpec
 
 __all__ = [
@@ -38,6 +39,7 @@ __all__ = [
     "block_length",
     "check_layer_fn",
     "BlockFP8",
+    "MXFP4",
     "Ops",
     "RoutingConfig",
     "OP_NAMES",
@@ -104,63 +106,6 @@ class RoutingConfig:
             )
         if self.method == "noaux_tc" and per_group < 2:
             raise ValueError(f"noaux_tc ranks groups by their two best experts; groups of {per_group} are too small")
-
-
-@dataclass(frozen=True, slots=True)
-class BlockFP8:
-    """A weight kept in DeepSeek's FP8 format: float8_e4m3fn values and one float32 multiplier per
-    [block[0], block[1]] block of its last two dims (`weight_scale_inv` in the checkpoints).
-
-    Model code passes it wherever a `linear` weight ([N, K], scale [ceil(N/bn), ceil(K/bk)]) or an
-    `expert_ffn` weight ([E, N, K], scale [E, ceil(N/bn), ceil(K/bk)]) goes, but only to backends whose
-    Capabilities.weight_formats include "fp8_block"; the value it stands for is `dequantize()`.
-    """
-
-    weight: torch.Tensor  # float8_e4m3fn
-    scale: torch.Tensor  # float32
-    block: tuple[int, int] = (128, 128)
-
-    @property
-    def shape(self) -> torch.Size:
-        return self.weight.shape
-
-    def to(self, device: torch.device | str) -> BlockFP8:
-        return BlockFP8(self.weight.to(device), self.scale.to(device), self.block)
-
-    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """weight * scale, computed in float32, returned in `dtype`."""
-        rows, cols = self.weight.shape[-2:]
-        scale = self.scale.float().repeat_interleave(self.block[0], dim=-2).repeat_interleave(self.block[1], dim=-1)
-        return (self.weight.float() * scale[..., :rows, :cols]).to(dtype)
-
-    @classmethod
-    def quantize(cls, weight: torch.Tensor, block: tuple[int, int] = (128, 128)) -> BlockFP8:
-        """Quantize a [.., N, K] weight per block (amax / 448 per block), as DeepSeek's checkpoints are."""
-        rows, cols = weight.shape[-2:]
-        bn, bk = block
-        padded = torch.nn.functional.pad(weight.float(), (0, -cols % bk, 0, -rows % bn))
-        tiles = padded.unflatten(-1, (-1, bk)).unflatten(-3, (-1, bn))  # [.., N/bn, bn, K/bk, bk]
-        scale = tiles.abs().amax(dim=(-3, -1)).clamp_min(1e-12) / 448.0  # [.., N/bn, K/bk]
-        expanded = scale.repeat_interleave(bn, dim=-2).repeat_interleave(bk, dim=-1)[..., :rows, :cols]
-        return cls((weight.float() / expanded).to(torch.float8_e4m3fn), scale, block)
-
-    @staticmethod
-    def concat_rows(parts: list, dtype: torch.dtype):
-        """Stack weights along N (gate | up): one BlockFP8 when every part is one with whole row blocks,
-        else the dequantized concatenation in `dtype`."""
-        quantized = all(isinstance(p, BlockFP8) for p in parts) and len({p.block for p in parts}) == 1
-        if quantized and all(p.shape[-2] % p.block[0] == 0 for p in parts[:-1]):
-            weight = torch.cat([p.weight for p in parts], dim=-2)
-            return BlockFP8(weight, torch.cat([p.scale for p in parts], dim=-2), parts[0].block)
-        return torch.cat([p.dequantize(dtype) if isinstance(p, BlockFP8) else p for p in parts], dim=-2)
-
-    @staticmethod
-    def stack(parts: list):
-        """Stack per-expert weights along a new leading dim (all BlockFP8, or all tensors)."""
-        if isinstance(parts[0], BlockFP8):
-            weight = torch.stack([p.weight for p in parts])
-            return BlockFP8(weight, torch.stack([p.scale for p in parts]), parts[0].block)
-        return torch.stack(parts)
 
 
 @dataclass(frozen=True, slots=True)

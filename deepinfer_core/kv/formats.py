@@ -30,7 +30,17 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["BLOCK_FORMATS", "BlockFormat", "pack", "round_blocks", "round_e2m1", "unpack"]
+__all__ = [
+    "BLOCK_FORMATS",
+    "BlockFormat",
+    "e2m1_codes",
+    "e2m1_values",
+    "pack",
+    "pow2_ceil",
+    "round_blocks",
+    "round_e2m1",
+    "unpack",
+]
 
 # The block formats `round_to_format` rounds to and a KV layout may store caches in.
 BLOCK_FORMATS = ("fp8_e4m3/pow2:32", "fp4_e2m1/pow2:32", "fp4_e2m1/e4m3:16")
@@ -68,7 +78,7 @@ class BlockFormat:
             )
 
 
-def _pow2ceil(t: torch.Tensor) -> torch.Tensor:
+def pow2_ceil(t: torch.Tensor) -> torch.Tensor:
     """2^(e - 127 + (m != 0)) from the float32 bits of t >= 0 (exponent field e, mantissa field m):
     2^ceil(log2 t) for normal t, computed from the bits so no log rounds."""
     bits = t.float().view(torch.int32)
@@ -92,6 +102,19 @@ def _e2m1_magnitude(index: torch.Tensor) -> torch.Tensor:
     return torch.where(i < 4, i * 0.5, torch.where(i < 7, i - 2.0, 6.0))
 
 
+def e2m1_codes(q: torch.Tensor) -> torch.Tensor:
+    """q in [-6, 6] -> the uint8 code (0..15) of its nearest e2m1 value, ties to the even code: the sign bit (8)
+    only on a non-zero result, then the magnitude's index."""
+    index = _e2m1_index(q)
+    return index | ((q < 0) & (index > 0)).to(torch.uint8) << 3
+
+
+def e2m1_values(codes: torch.Tensor) -> torch.Tensor:
+    """e2m1 codes (0..15, any integer dtype) -> their values, float32 (code 8 is -0.0)."""
+    magnitude = _e2m1_magnitude(codes & 7)
+    return torch.where(codes >= 8, -magnitude, magnitude)
+
+
 def round_e2m1(q: torch.Tensor) -> torch.Tensor:
     """q in [-6, 6] to the nearest FP4 e2m1 value (ties to the even code), in q's dtype; a zero result is +0."""
     magnitude = _e2m1_magnitude(_e2m1_index(q)).to(q.dtype)
@@ -102,9 +125,9 @@ def _scales(fmt: BlockFormat, blocks: torch.Tensor) -> torch.Tensor:
     """Each block's scale [..., B, 1] float32, from blocks [..., B, block] float32."""
     amax = blocks.abs().amax(dim=-1, keepdim=True)
     if fmt.element_bits == 8:
-        return _pow2ceil(amax.clamp_min(1e-4) * (1 / E4M3_MAX))
+        return pow2_ceil(amax.clamp_min(1e-4) * (1 / E4M3_MAX))
     if fmt.pow2_scale:
-        return _pow2ceil(amax.clamp_min(E2M1_MAX * 2**-126) * (1 / E2M1_MAX))
+        return pow2_ceil(amax.clamp_min(E2M1_MAX * 2**-126) * (1 / E2M1_MAX))
     return (amax.clamp_min(E2M1_MAX * 2**-9) / E2M1_MAX).to(torch.float8_e4m3fn).float()
 
 
@@ -145,8 +168,7 @@ def pack(x: torch.Tensor, name: str) -> torch.Tensor:
         codes = (blocks / scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).view(torch.uint8).flatten(1)
     else:
         q = (blocks / scale).clamp(-E2M1_MAX, E2M1_MAX).flatten(1)  # [N, D]
-        index = _e2m1_index(q)
-        nibbles = index | ((q < 0) & (index > 0)).to(torch.uint8) << 3  # the sign only on a non-zero
+        nibbles = e2m1_codes(q)
         codes = nibbles[:, 0::2] | nibbles[:, 1::2] << 4
     if fmt.pow2_scale:
         scale_bytes = ((scale.view(torch.int32) >> 23) & 0xFF).to(torch.uint8)  # e8m0: the exponent field
@@ -163,9 +185,7 @@ def unpack(rows: torch.Tensor, name: str, dtype: torch.dtype) -> torch.Tensor:
     if fmt.element_bits == 8:
         q = codes.contiguous().view(torch.float8_e4m3fn).float()
     else:
-        nibbles = torch.stack([codes & 0xF, codes >> 4], dim=2).flatten(1)  # [N, D]
-        magnitude = _e2m1_magnitude(nibbles & 7)
-        q = torch.where(nibbles >= 8, -magnitude, magnitude)
+        q = e2m1_values(torch.stack([codes & 0xF, codes >> 4], dim=2).flatten(1))  # [N, D]
     if fmt.pow2_scale:
         scale = (scale_bytes.to(torch.int32) << 23).view(torch.float32)
     else:

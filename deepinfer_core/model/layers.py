@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import torch
 
-from deepinfer_core.backend.ops import AttentionMetadata, BlockFP8, RoutingConfig
+from deepinfer_core.backend.ops import AttentionMetadata, RoutingConfig
 from deepinfer_core.backend.resolve import ResolvedBackend
+from deepinfer_core.backend.weight_formats import concat_rows, stack
 from deepinfer_core.kv.layout import CacheSpec
 from deepinfer_core.model.config import DeepseekConfig
 
@@ -33,7 +34,7 @@ class DenseMLP:
         float_activation: bool = False,
     ) -> None:
         self.ops, self.limit, self.float_activation = backend.ops, limit, float_activation
-        self.w13 = BlockFP8.concat_rows([gate, up], backend.dtype)  # [2I, D]
+        self.w13 = concat_rows([gate, up], backend.dtype)  # [2I, D]
         self.w2 = down  # [D, I]
 
     @classmethod
@@ -81,11 +82,9 @@ class MoE:
         self.gate, self.bias, self.shared, self.hash_table = gate, bias, shared, hash_table  # gate [E, D] float32
         per_rank = routing.num_experts // self.comm.world_size
         local = experts[self.comm.rank * per_rank : (self.comm.rank + 1) * per_rank]
-        w13 = [BlockFP8.concat_rows([gate_w, up_w], backend.dtype) for gate_w, up_w, _ in local]
-        if len({type(t) for t in w13}) > 1:  # some experts could not stay FP8: none do
-            w13 = [t.dequantize(backend.dtype) if isinstance(t, BlockFP8) else t for t in w13]
-        self.w13 = BlockFP8.stack(w13)  # [E_local, 2I, D]
-        self.w2 = BlockFP8.stack([down for _, _, down in local])  # [E_local, D, I]
+        w13 = [concat_rows([gate_w, up_w], backend.dtype) for gate_w, up_w, _ in local]
+        self.w13 = stack(w13, backend.dtype)  # [E_local, 2I, D]: quantized where every expert's is, else dense
+        self.w2 = stack([down for _, _, down in local], backend.dtype)  # [E_local, D, I]
 
     @classmethod
     def from_weights(cls, backend: ResolvedBackend, config: DeepseekConfig, w: Weights, prefix: str) -> MoE:

@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from deepinfer_core.backend.ops import BlockFP8, RoutingConfig, block_length, check_layer_fn
+from deepinfer_core.backend.ops import RoutingConfig, block_length, check_layer_fn
+from deepinfer_core.backend.weight_formats import Weight, dequantized
 from deepinfer_core.kv.formats import round_blocks
 
 __all__ = ["ReferenceOps"]
@@ -38,12 +39,8 @@ class ReferenceOps:
         out = torch.stack((ra, rb), dim=-1).flatten(-2) if interleaved else torch.cat((ra, rb), dim=-1)
         return out.to(x.dtype)
 
-    def linear(
-        self, x: torch.Tensor, weight: torch.Tensor | BlockFP8, bias: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        if isinstance(weight, BlockFP8):  # the value it stands for, in the compute dtype
-            weight = weight.dequantize(x.dtype)
-        return F.linear(x, weight, bias)
+    def linear(self, x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return F.linear(x, dequantized(weight, x.dtype), bias)  # a quantized weight: the value it stands for
 
     def head_linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return torch.einsum("thk,hnk->thn", x, weight)
@@ -101,10 +98,7 @@ class ReferenceOps:
         swiglu_limit: float | None = None,
         row_scales: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        if isinstance(w13, BlockFP8):
-            w13 = w13.dequantize(x.dtype)
-        if isinstance(w2, BlockFP8):
-            w2 = w2.dequantize(x.dtype)
+        w13, w2 = dequantized(w13, x.dtype), dequantized(w2, x.dtype)
         out = torch.empty_like(x)
         start = 0
         for expert, count in enumerate(tokens_per_expert.tolist()):

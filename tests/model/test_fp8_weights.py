@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from deepinfer_core.backend.ops import BlockFP8
+from deepinfer_core.backend.weight_formats import concat_rows
 from deepinfer_core.model.deepseek_v3 import FP8_WEIGHTS
 from tests.model.test_loader import (  # noqa: F401  (fixtures)
     PROMPT,
@@ -60,8 +61,8 @@ def test_quantize_round_trip_and_row_concatenation():
     qg, qu = BlockFP8.quantize(gate), BlockFP8.quantize(up)
     assert qg.scale.shape == (2, 2)
     assert ((qg.dequantize() - gate).abs() <= gate.abs() / 16 + 1e-3).all()
-    both = BlockFP8.concat_rows([qg, qu], torch.float32)
+    both = concat_rows([qg, qu], torch.float32)
     assert isinstance(both, BlockFP8) and torch.equal(both.dequantize(), torch.cat([qg.dequantize(), qu.dequantize()]))
-    ragged = BlockFP8.concat_rows([BlockFP8.quantize(gate[:100]), qu], torch.float32)  # 100 rows: not whole blocks
+    ragged = concat_rows([BlockFP8.quantize(gate[:100]), qu], torch.float32)  # 100 rows: not whole blocks
     assert isinstance(ragged, torch.Tensor)
     assert torch.equal(ragged, torch.cat([BlockFP8.quantize(gate[:100]).dequantize(), qu.dequantize()]))
