@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["BackendContractError", "BackendSelectionError", "DeepInferError", "RequestError"]
+__all__ = ["BackendContractError", "BackendSelectionError", "CheckpointError", "DeepInferError", "RequestError"]
 
 
 class DeepInferError(Exception):
@@ -19,3 +19,7 @@ class BackendContractError(DeepInferError):
 
 class RequestError(DeepInferError):
     """A request the engine cannot serve as asked (too long, bad ids, no tokenizer for text)."""
+
+
+class CheckpointError(DeepInferError):
+    """The checkpoint on disk is missing something or holds something of the wrong shape or format."""

@@ -38,8 +38,8 @@ class Capabilities:
     graph_capture: bool = False  # decode steps can be captured and replayed as a device graph
     async_scheduling: bool = False  # the engine may plan step N+1 while the device runs step N
     communicators: tuple[str, ...] = ("in_process",)  # expert-parallel transports it provides
-    # weight storage formats `linear` / `expert_ffn` take as they are: "fp8_block" (ops.BlockFP8); others
-    # are dequantized at load to the compute dtype
+    # weight storage formats `linear` / `expert_ffn` take as they are: "fp8_block" (ops.BlockFP8, float32 or
+    # E8M0 scales, any block), "mxfp4" (ops.MXFP4, expert_ffn only); others are dequantized at load
     weight_formats: tuple[str, ...] = ()
     unsupported: tuple[tuple[str, str], ...] = ()  # (op or feature name, reason)
 

@@ -105,9 +105,9 @@ class BlockFP8:
 class MXFP4:
     """A weight kept as FP4 e2m1 codes, two per byte along K, with one E8M0 scale per 32 along K.
 
-    Model code passes it as an `expert_ffn` weight ([E, N, K]: `weight` [E, N, K/2] uint8, `scale` [E, N, K/32])
-    or a `linear` weight ([N, K]), only to backends whose Capabilities.weight_formats include "mxfp4"; the value it
-    stands for is `dequantize()`.
+    Model code passes it only as an `expert_ffn` weight ([E, N, K]: `weight` [E, N, K/2] uint8, `scale`
+    [E, N, K/32]; DeepSeek ships only routed experts in FP4), only to backends whose Capabilities.weight_formats
+    include "mxfp4"; the value it stands for is `dequantize()`.
     """
 
     weight: torch.Tensor  # uint8 [.., N, K/2]: element 2i in the low nibble of byte i

@@ -14,30 +14,50 @@ from deepinfer_core.backend.resolve import ResolvedBackend
 from deepinfer_core.model.config import DeepseekConfig
 from deepinfer_core.model.config_v4 import DeepseekV4Config
 from deepinfer_core.model.config_v41 import DeepseekV41Config
-from deepinfer_core.model.deepseek_v3 import FLOAT32_WEIGHTS, FP8_WEIGHTS, DeepseekV3Model, expected_weights
-from deepinfer_core.model.deepseek_v4 import FLOAT32_WEIGHTS_V4, DeepseekV4Model, expected_weights_v4
+from deepinfer_core.model.deepseek_v3 import FLOAT32_WEIGHTS, QUANTIZED_WEIGHTS, DeepseekV3Model, expected_weights
+from deepinfer_core.model.deepseek_v4 import (
+    FLOAT32_WEIGHTS_V4,
+    QUANTIZED_WEIGHTS_V4,
+    DeepseekV4Model,
+    expected_weights_v4,
+)
 from deepinfer_core.model.deepseek_v41 import FLOAT32_WEIGHTS_V41, DeepseekV41Model, expected_weights_v41, token_map_for
 from deepinfer_core.model.dspark import load_dspark
-from deepinfer_core.model.loader import CheckpointError, load_tensors, read_config
+from deepinfer_core.model.loader import CheckpointError, kept_formats, load_tensors, read_config
 from deepinfer_core.model.mtp import MTPDrafter, mtp_weight_shapes
 from deepinfer_core.model.mtp_v4 import MTPDrafterV4, mtp_layer_config, mtp_v4_spellings, mtp_v4_weight_shapes
+from deepinfer_core.model.v4_names import v4_spellings
 from deepinfer_core.model.v41_names import v41_spellings
 
-__all__ = ["load_deepseek", "load_deepseek_v4", "load_deepseek_v41", "load_drafter", "load_model", "model_registry"]
+__all__ = [
+    "load_deepseek",
+    "load_deepseek_v4",
+    "load_deepseek_v41",
+    "load_drafter",
+    "load_model",
+    "model_registry",
+]
 
 
 def load_deepseek(path: Path, raw_config: dict[str, Any], backend: ResolvedBackend, progress: bool = True):
     config = DeepseekConfig.from_hf(raw_config)
-    keep_fp8 = FP8_WEIGHTS if "fp8_block" in backend.capabilities.weight_formats else None
-    weights = load_tensors(
-        path, raw_config, expected_weights(config), backend.dtype, FLOAT32_WEIGHTS, progress, keep_fp8
-    )
+    keep = kept_formats(backend.capabilities.weight_formats, QUANTIZED_WEIGHTS)
+    weights = load_tensors(path, raw_config, expected_weights(config), backend.dtype, FLOAT32_WEIGHTS, progress, keep)
     return DeepseekV3Model(config, weights, backend)
 
 
 def load_deepseek_v4(path: Path, raw_config: dict[str, Any], backend: ResolvedBackend, progress: bool = True):
     config = DeepseekV4Config.from_hf(raw_config)
-    weights = load_tensors(path, raw_config, expected_weights_v4(config), backend.dtype, FLOAT32_WEIGHTS_V4, progress)
+    weights = load_tensors(
+        path,
+        raw_config,
+        expected_weights_v4(config),
+        backend.dtype,
+        FLOAT32_WEIGHTS_V4,
+        progress,
+        kept_formats(backend.capabilities.weight_formats, QUANTIZED_WEIGHTS_V4),
+        spellings=v4_spellings,  # ours (transformers' first V4 names) or DeepSeek-native
+    )
     return DeepseekV4Model(config, weights, backend)
 
 
@@ -57,6 +77,7 @@ def load_deepseek_v41(
         backend.dtype,
         FLOAT32_WEIGHTS_V41,
         progress,
+        kept_formats(backend.capabilities.weight_formats, QUANTIZED_WEIGHTS_V4),
         spellings=v41_spellings(config),  # ours, DeepSeek-native or newer-transformers names
     )
     return DeepseekV41Model(config, weights, backend, token_map, engram_placement)
@@ -122,10 +143,8 @@ def load_drafter(method: str, path: Path | None, model, backend: ResolvedBackend
     prefix = f"model.layers.{config.num_hidden_layers}."  # a decoder layer's tensors, as layer num_hidden_layers
     deeper = dataclasses.replace(config, num_hidden_layers=config.num_hidden_layers + 1)
     block = {name: shape for name, shape in expected_weights(deeper).items() if name.startswith(prefix)}
-    keep_fp8 = FP8_WEIGHTS if "fp8_block" in backend.capabilities.weight_formats else None
-    weights = load_tensors(
-        path, raw, mtp_weight_shapes(config, block), backend.dtype, FLOAT32_WEIGHTS, progress, keep_fp8
-    )
+    keep = kept_formats(backend.capabilities.weight_formats, QUANTIZED_WEIGHTS)
+    weights = load_tensors(path, raw, mtp_weight_shapes(config, block), backend.dtype, FLOAT32_WEIGHTS, progress, keep)
     return MTPDrafter(model, weights, backend)
 
 
@@ -134,7 +153,14 @@ def _load_mtp_v4(path: Path, raw: dict[str, Any], model: DeepseekV4Model, backen
     shapes = mtp_v4_weight_shapes(model.config, layer_config)
     try:
         weights = load_tensors(
-            path, raw, shapes, backend.dtype, FLOAT32_WEIGHTS_V4, progress, spellings=mtp_v4_spellings
+            path,
+            raw,
+            shapes,
+            backend.dtype,
+            FLOAT32_WEIGHTS_V4,
+            progress,
+            kept_formats(backend.capabilities.weight_formats, QUANTIZED_WEIGHTS_V4),
+            spellings=mtp_v4_spellings,
         )
     except CheckpointError as err:
         raise CheckpointError(

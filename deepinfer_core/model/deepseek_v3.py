@@ -17,13 +17,14 @@ from deepinfer_core.model.config import DeepseekConfig
 from deepinfer_core.model.layers import DenseMLP, MLAttention, MoE
 from deepinfer_core.model.rope import rotary_tables, softmax_scale
 
-__all__ = ["DeepseekV3Model", "expected_weights", "FLOAT32_WEIGHTS", "FP8_WEIGHTS"]
+__all__ = ["DeepseekV3Model", "expected_weights", "FLOAT32_WEIGHTS", "FP8_WEIGHTS", "QUANTIZED_WEIGHTS"]
 
 # Router weights and biases stay float32 whatever the compute dtype, as in DeepSeek's checkpoints.
 FLOAT32_WEIGHTS = re.compile(r"\.mlp\.gate\.(weight|e_score_correction_bias)$")
 # Weights only `linear` / `expert_ffn` read: kept FP8 for backends that take ops.BlockFP8 (kv_b_proj is
 # split into the absorbed per-head matrices at load, so it is always dequantized).
 FP8_WEIGHTS = re.compile(r"\.(q_proj|q_a_proj|q_b_proj|kv_a_proj_with_mqa|o_proj|gate_proj|up_proj|down_proj)\.weight$")
+QUANTIZED_WEIGHTS = {"fp8_block": FP8_WEIGHTS}  # format -> the weights kept in it (loader.load_tensors)
 
 
 def _attention_shapes(cfg: DeepseekConfig, p: str) -> dict[str, tuple[int, ...]]:

@@ -21,11 +21,26 @@ from deepinfer_core.model.rope import rotary_tables
 from deepinfer_core.model.v4_attention import ROLLBACK_SLOTS, V4Attention
 from deepinfer_core.model.v4_step import V4Step
 
-__all__ = ["DeepseekV4Model", "FLOAT32_WEIGHTS_V4", "UnsupportedModelError", "expected_weights_v4"]
+__all__ = [
+    "DeepseekV4Model",
+    "FLOAT32_WEIGHTS_V4",
+    "QUANTIZED_WEIGHTS_V4",
+    "UnsupportedModelError",
+    "expected_weights_v4",
+]
 
 # Kept float32 whatever the compute dtype, as in the checkpoints: hyper-connection mixers, attention
 # sinks, compressor position biases, routers.
 FLOAT32_WEIGHTS_V4 = re.compile(r"(\.hc_\w+|\.hc_head\.\w+|\.attn_sink|\.ape|\.ffn\.gate\.(weight|bias))$")
+# Weights only `linear` / `expert_ffn` read, by the format a backend may keep them in (loader.load_tensors), for
+# V4, V4.1, their MTP and DSpark layers: FP8 projections and experts, FP4 routed experts. wo_a goes through
+# head_linear and the compressors' projections are concatenated (V4.1: in float32): always dequantized.
+QUANTIZED_WEIGHTS_V4 = {
+    "fp8_block": re.compile(
+        r"(\.attn\.(wq_a|wq_b|wkv|wo_b|indexer\.wq_b)|\.ffn\.(shared_experts|experts\.\d+)\.w[123]|\.[eh]_proj)\.weight$"
+    ),
+    "mxfp4": re.compile(r"\.ffn\.experts\.\d+\.w[123]\.weight$"),
+}
 
 
 class UnsupportedModelError(DeepInferError):

@@ -35,7 +35,7 @@ import torch
 from deepinfer_core.backend.ops import AttentionMetadata
 from deepinfer_core.backend.resolve import ResolvedBackend
 from deepinfer_core.model.config_v41 import DeepseekV41Config, LayerPlan
-from deepinfer_core.model.deepseek_v4 import UnsupportedModelError
+from deepinfer_core.model.deepseek_v4 import QUANTIZED_WEIGHTS_V4, UnsupportedModelError
 from deepinfer_core.model.deepseek_v41 import (
     FLOAT32_WEIGHTS_V41,
     hc_mixes,
@@ -43,7 +43,7 @@ from deepinfer_core.model.deepseek_v41 import (
     v41_moe,
     window_attention_shapes,
 )
-from deepinfer_core.model.loader import CheckpointError, load_tensors
+from deepinfer_core.model.loader import CheckpointError, kept_formats, load_tensors
 from deepinfer_core.model.rope import rotary_tables
 from deepinfer_core.model.v4_step import V4Step
 from deepinfer_core.model.v41_attention import V41Attention
@@ -212,7 +212,8 @@ def load_dspark(path: Path, raw: dict[str, Any], model, backend: ResolvedBackend
             f"backend {backend.info.name} cannot draft with DSpark: it lacks block_attention ({reason}); "
             'use {"method": "ngram"} or the cpu backend'
         )
+    keep = kept_formats(backend.capabilities.weight_formats, QUANTIZED_WEIGHTS_V4)
     weights = load_tensors(
-        path, raw, dspark_weight_shapes(cfg), backend.dtype, FLOAT32_WEIGHTS_V41, progress, spellings=v41_spellings(cfg)
+        path, raw, dspark_weight_shapes(cfg), backend.dtype, FLOAT32_WEIGHTS_V41, progress, keep, v41_spellings(cfg)
     )
     return DSparkDrafter(model, weights, backend)

@@ -1,10 +1,11 @@
-"""Read a Hugging Face-format checkpoint: config.json, safetensors (single or sharded), FP8 block scales.
+"""Read a Hugging Face-format checkpoint: config.json, safetensors (single or sharded), quantized weights.
 
-DeepSeek's official FP8 checkpoints store `W` as float8_e4m3fn with `W_scale_inv` holding one float32
-multiplier per [128, 128] block. Tensors the caller names in `keep_fp8` stay in that format (as
-ops.BlockFP8) for backends that compute with it; every other FP8 tensor is dequantized here (W * scale).
-A model whose checkpoints come in several spellings passes `spellings`: where each tensor it needs may be
-stored, under another name or as one slice of a stacked tensor.
+DeepSeek's checkpoints store most weights quantized: FP8 with block scales, routed experts of V4 / V4.1 in FP4
+(model/quantized.py says how each is stored). A quantized tensor whose format is in the caller's
+`keep_quantized` (format -> pattern of the names that stay in it; the backend's Capabilities.weight_formats
+decide which formats the model asks for) stays in it, as ops.BlockFP8 / ops.MXFP4; every other one is
+dequantized here. A model whose checkpoints come in several spellings passes `spellings`: where each tensor it
+needs may be stored, under another name or as one slice of a stacked tensor.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import json
 import logging
 import re
 from collections import Counter
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,18 +24,23 @@ import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
-from deepinfer_core.backend.ops import BlockFP8
-from deepinfer_core.errors import DeepInferError
+from deepinfer_core.backend.weight_formats import MXFP4, BlockFP8
+from deepinfer_core.errors import CheckpointError
+from deepinfer_core.model.quantized import Quantization, is_quantized, read_quantized, scale_names
 
-__all__ = ["CheckpointError", "Spellings", "StoredTensor", "dequantize_fp8_blocks", "load_tensors", "read_config"]
+__all__ = [
+    "CheckpointError",
+    "Spellings",
+    "StoredTensor",
+    "dequantize_fp8_blocks",
+    "kept_formats",
+    "load_tensors",
+    "read_config",
+]
 
 log = logging.getLogger(__name__)
 INDEX_FILE = "model.safetensors.index.json"
 _UNSUPPORTED_FP8 = (torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz)
-
-
-class CheckpointError(DeepInferError):
-    """The checkpoint on disk is missing something or holds something of the wrong shape."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,16 +104,6 @@ def dequantize_fp8_blocks(weight: torch.Tensor, scale_inv: torch.Tensor, block: 
     return BlockFP8(weight, scale_inv, block).dequantize(torch.float32)
 
 
-def _fp8_block(config: Mapping[str, Any]) -> tuple[int, int] | None:
-    quant = config.get("quantization_config")
-    if not quant:
-        return None
-    if quant.get("quant_method") != "fp8":
-        raise CheckpointError(f"quantization method {quant.get('quant_method')!r} is not supported (supported: fp8)")
-    block = quant.get("weight_block_size") or [128, 128]
-    return int(block[0]), int(block[1])
-
-
 def _check_shape(name: str, file: Path, actual: Sequence[int], shape: tuple[int, ...]) -> None:
     if tuple(actual) != tuple(shape):
         raise CheckpointError(
@@ -148,6 +144,12 @@ def _read(f: Any, stored: StoredTensor, file: Path) -> torch.Tensor:
     return whole[stored.index]  # reads only the slice, not the whole stacked tensor
 
 
+def kept_formats(weight_formats: Collection[str], patterns: Mapping[str, re.Pattern[str]]) -> dict:
+    """load_tensors' keep_quantized: of a model's format -> weight name patterns, those of the formats a backend
+    takes (its Capabilities.weight_formats)."""
+    return {fmt: pattern for fmt, pattern in patterns.items() if fmt in weight_formats}
+
+
 def load_tensors(
     path: Path,
     config: Mapping[str, Any],
@@ -155,17 +157,18 @@ def load_tensors(
     dtype: torch.dtype,
     keep_float32: re.Pattern[str] | None = None,
     progress: bool = True,
-    keep_fp8: re.Pattern[str] | None = None,
+    keep_quantized: Mapping[str, re.Pattern[str]] | None = None,
     spellings: Spellings | None = None,
-) -> dict[str, torch.Tensor | BlockFP8]:
+) -> dict[str, torch.Tensor | BlockFP8 | MXFP4]:
     """Load exactly the tensors in `expected` (name -> shape), checking each shape, cast to `dtype`
-    (names matching `keep_float32` stay float32; FP8 tensors matching `keep_fp8` stay FP8, as BlockFP8).
-    `spellings` says where the checkpoint may keep each (default: under that very name); the result is
-    keyed by the model's names either way. Extra tensors in the checkpoint are skipped."""
+    (names matching `keep_float32` stay float32; quantized tensors whose format `keep_quantized` maps to a
+    pattern their name matches stay quantized). `spellings` says where the checkpoint may keep each (default:
+    under that very name); the result is keyed by the model's names either way. Extra tensors are skipped."""
     files = _tensor_files(path)
     where = _locate(path, expected, files, spellings or _as_stored)
-    block = _fp8_block(config)
-    tensors: dict[str, torch.Tensor] = {}
+    quant = Quantization.of(config)
+    keep_quantized = keep_quantized or {}
+    tensors: dict[str, torch.Tensor | BlockFP8 | MXFP4] = {}
     bar = tqdm(total=len(expected), desc="Loading weights", unit="tensor", disable=not progress, leave=False)
     with ExitStack() as stack:
         opened: dict[Path, Any] = {}
@@ -175,28 +178,32 @@ def load_tensors(
                 opened[file] = stack.enter_context(safe_open(file, "pt"))
             return opened[file]
 
+        def scales_of(stored: StoredTensor) -> torch.Tensor | None:
+            name = next((n for n in scale_names(stored.name) if n in files), None)
+            return None if name is None else handle(files[name]).get_tensor(name)
+
         for name, shape in expected.items():
             stored = where[name]
             file = files[stored.name]
             tensor = _read(handle(file), stored, file)
             if tensor.dtype in _UNSUPPORTED_FP8:
                 raise CheckpointError(f"tensor {stored} is {tensor.dtype}; only float8_e4m3fn weights are supported")
-            if tensor.dtype == torch.float8_e4m3fn:
-                scale_name = stored.name + "_scale_inv"
+            if is_quantized(tensor) and (tensor.is_floating_point() or tensor.shape != shape):
                 if stored.index:
                     raise CheckpointError(
-                        f"tensor {stored.name} is a stack of FP8 weights; FP8 loads only unstacked (one tensor "
-                        "per weight, with its _scale_inv beside it): convert the checkpoint or store it in bf16"
+                        f"tensor {stored.name} is a stack of quantized weights; quantized weights load only "
+                        "unstacked (one tensor per weight, its scales beside it): convert the checkpoint or store "
+                        "it in bf16"
                     )
-                if block is None or scale_name not in files:
-                    raise CheckpointError(f"tensor {stored} is FP8 but {scale_name} / quantization_config is missing")
-                scale = handle(files[scale_name]).get_tensor(scale_name)
-                if keep_fp8 is not None and keep_fp8.search(name):
-                    _check_shape(str(stored), file, tensor.shape, shape)
-                    tensors[name] = BlockFP8(tensor, scale.float(), block)
-                    bar.update()
-                    continue
-                tensor = dequantize_fp8_blocks(tensor, scale, block)
+                weight = read_quantized(str(stored), tensor, scales_of(stored), shape, quant)
+                keep = keep_quantized.get(weight.format)
+                if keep is not None and keep.search(name):
+                    tensors[name] = weight
+                else:
+                    wide = keep_float32 is not None and keep_float32.search(name)
+                    tensors[name] = weight.dequantize(torch.float32 if wide else dtype)
+                bar.update()
+                continue
             _check_shape(str(stored), file, tensor.shape, shape)
             if not tensor.is_floating_point():  # integer tables (V4's tid2eid) stay as stored
                 tensors[name] = tensor
@@ -207,7 +214,7 @@ def load_tensors(
             bar.update()
     bar.close()
     read = {stored.name for stored in where.values()}
-    unused = [n for n in files if n not in read and not n.endswith("_scale_inv")]
+    unused = [n for n in files if n not in read and not n.endswith(("_scale_inv", ".scale"))]
     if unused:
         log.debug("skipped %d checkpoint tensors the model does not use (e.g. %s)", len(unused), unused[0])
     return tensors

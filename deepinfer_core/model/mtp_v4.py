@@ -21,7 +21,6 @@ as the model's do (engine/speculative.py bounds the drafts by them).
 from __future__ import annotations
 
 import dataclasses
-import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -33,11 +32,10 @@ from deepinfer_core.model.config_v4 import SLIDING, DeepseekV4Config
 from deepinfer_core.model.deepseek_v4 import build_layer, hc_mix, layer_weight_shapes, rope_tables_v4, run_layer
 from deepinfer_core.model.loader import CheckpointError, StoredTensor
 from deepinfer_core.model.mtp import ChainDrafter
+from deepinfer_core.model.v4_names import v4_native_name
 from deepinfer_core.model.v4_step import V4Step
 
 __all__ = ["MTPDrafterV4", "mtp_layer_config", "mtp_v4_spellings", "mtp_v4_weight_shapes"]
-
-_OUR_KV_NORM = re.compile(r"\.attn\.norm\.weight$")  # as our V4 layers spell it (transformers' save_pretrained)
 
 
 def mtp_layer_config(cfg: DeepseekV4Config, raw: Mapping[str, Any], index: int = 0) -> DeepseekV4Config:
@@ -86,7 +84,7 @@ def mtp_v4_weight_shapes(cfg: DeepseekV4Config, layer_cfg: DeepseekV4Config, ind
 def mtp_v4_spellings(name: str) -> Sequence[StoredTensor]:
     """For the loader: where a checkpoint keeps an MTP tensor. DeepSeek's spelling of the attention's KV norm
     (`attn.kv_norm.weight`) first, then ours (`attn.norm.weight`); every other name as it is."""
-    native = _OUR_KV_NORM.sub(".attn.kv_norm.weight", name)
+    native = v4_native_name(name)
     return (StoredTensor(native), StoredTensor(name)) if native != name else (StoredTensor(name),)
 
 

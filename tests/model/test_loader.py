@@ -521,7 +521,7 @@ def test_fp8_weight_without_quantization_config(tmp_path, weights):
 def test_unsupported_quantization_method(tmp_path, weights, backends):
     raw = {**V3_CONFIG, "quantization_config": {"quant_method": "awq", "bits": 4}}
     path = write_checkpoint(tmp_path / "ck", raw, weights)
-    with pytest.raises(CheckpointError, match=r"'awq' is not supported \(supported: fp8\)"):
+    with pytest.raises(CheckpointError, match=r"quant_method 'awq', a quantization DeepInfer does not read"):
         load(path, backends())
 
 
