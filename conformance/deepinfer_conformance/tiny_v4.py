@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["TINY_V4", "write_tiny_v4"]
+__all__ = ["TINY_V4", "tiny_v4_weights", "write_tiny_v4"]
 
 SLIDING, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
 TINY_V4 = {
@@ -60,10 +60,8 @@ def _tensor_v4(name: str, shape: tuple[int, ...], generator: torch.Generator) ->
     return noise * (1.0 / math.sqrt(shape[1]))  # [out, in] projections (hc fn too): unit gain
 
 
-def write_tiny_v4(path: Path, config: dict = TINY_V4, seed: int = 4321) -> Path:
-    """Write config.json and model.safetensors of a tiny V4 (`config`) into the folder `path`."""
-    from safetensors.torch import save_file
-
+def tiny_v4_weights(config: dict = TINY_V4, seed: int = 4321) -> dict[str, torch.Tensor]:
+    """The random weights of a tiny V4 (`config`), under our names, float32 (hash tables int64)."""
     from deepinfer_core.model.config_v4 import DeepseekV4Config
     from deepinfer_core.model.deepseek_v4 import expected_weights_v4
 
@@ -76,6 +74,13 @@ def write_tiny_v4(path: Path, config: dict = TINY_V4, seed: int = 4321) -> Path:
             tensors[name] = torch.stack(rows).to(torch.int64)
         else:
             tensors[name] = _tensor_v4(name, shape, generator).contiguous()
-    save_file(tensors, str(path / "model.safetensors"))
+    return tensors
+
+
+def write_tiny_v4(path: Path, config: dict = TINY_V4, seed: int = 4321) -> Path:
+    """Write config.json and model.safetensors of a tiny V4 (`config`) into the folder `path`."""
+    from safetensors.torch import save_file
+
+    save_file(tiny_v4_weights(config, seed), str(path / "model.safetensors"))
     (path / "config.json").write_text(json.dumps(config))
     return path

@@ -188,7 +188,7 @@ def load_tensors(
             tensor = _read(handle(file), stored, file)
             if tensor.dtype in _UNSUPPORTED_FP8:
                 raise CheckpointError(f"tensor {stored} is {tensor.dtype}; only float8_e4m3fn weights are supported")
-            if is_quantized(tensor) and (tensor.is_floating_point() or tensor.shape != shape):
+            if is_quantized(tensor):
                 if stored.index:
                     raise CheckpointError(
                         f"tensor {stored.name} is a stack of quantized weights; quantized weights load only "

@@ -68,7 +68,8 @@ def scale_names(name: str) -> tuple[str, ...]:
 
 
 def is_quantized(tensor: torch.Tensor) -> bool:
-    """Whether a stored tensor is FP8 or packed FP4 (a tensor read only with its scales)."""
+    """Whether a stored tensor is FP8 or packed FP4, read only with its scales (DeepSeek's models hold no other
+    8-bit tensors; V4's hash table tid2eid is int64)."""
     return tensor.dtype == torch.float8_e4m3fn or tensor.dtype in FP4_STORAGE
 
 

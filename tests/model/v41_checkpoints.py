@@ -80,8 +80,8 @@ SCHEDULES = {
 }
 
 
-def write_checkpoint(folder: Path, overrides: dict, seed: int = 0) -> Path:
-    """A checkpoint in `folder` for BASE | overrides, random weights from `seed`."""
+def checkpoint_config(overrides: dict) -> dict:
+    """The config.json of BASE | overrides, with the engram table sizes its layers imply."""
     raw = {**BASE, **overrides}
     if raw.get("engram_layer_ids"):
         raw["engram_compressed_vocab_size"] = compressed_vocabulary(TOKENIZER_FROM / "tokenizer.json")[1]
@@ -89,11 +89,21 @@ def write_checkpoint(folder: Path, overrides: dict, seed: int = 0) -> Path:
             len(raw["engram_layer_ids"]), raw["engram_max_ngram_size"], raw["engram_n_heads"], raw["engram_vocab_size"]
         )
         raw["engram_num_embeddings"] = [sum(map(sum, layer)) for layer in primes]
-    cfg = DeepseekV41Config.from_hf(raw)
-    weights = demo_weights_v41(cfg, seed)
+    return raw
+
+
+def copy_tokenizer(folder: Path) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
-    save_file(weights, folder / "model.safetensors")
-    (folder / "config.json").write_text(json.dumps(raw, indent=1))
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copyfile(TOKENIZER_FROM / name, folder / name)
+    return folder
+
+
+def write_checkpoint(folder: Path, overrides: dict, seed: int = 0) -> Path:
+    """A checkpoint in `folder` for BASE | overrides, random weights from `seed`."""
+    raw = checkpoint_config(overrides)
+    weights = demo_weights_v41(DeepseekV41Config.from_hf(raw), seed)
+    copy_tokenizer(folder)
+    save_file(weights, folder / "model.safetensors")
+    (folder / "config.json").write_text(json.dumps(raw, indent=1))
     return folder

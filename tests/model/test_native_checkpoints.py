@@ -1,0 +1,170 @@
+"""DeepSeek-native V4 / V4.1 checkpoints (native names, FP4 experts, E8M0 FP8 projections, FP8 Engram tables)
+written by model/native_export.py: they load, hold what a backend's weight_formats ask for, and compute exactly
+what their float twin computes; a checkpoint in a format DeepInfer does not read is refused by name."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from deepinfer_conformance.tiny_v4 import TINY_V4, tiny_v4_weights
+from deepinfer_core.backend.weight_formats import MXFP4, BlockFP8
+from deepinfer_core.engine.llm import LLM
+from deepinfer_core.errors import CheckpointError
+from deepinfer_core.model.config_v41 import DeepseekV41Config
+from deepinfer_core.model.demo import demo_weights_v41
+from deepinfer_core.model.native_export import write_float_twin, write_native
+from deepinfer_core.sampling.params import SamplingParams
+from tests.model.test_loader import backends  # noqa: F401  (fixture)
+from tests.model.v41_checkpoints import SCHEDULES, checkpoint_config, copy_tokenizer
+
+V41_NATIVE = {
+    **SCHEDULES["groups_and_candidates"],
+    "hidden_size": 64,
+    "moe_intermediate_size": 32,
+    "engram_head_dim": 32,
+}  # fmt: skip  (K of every expert and engram row a multiple of 32)
+PROMPTS = [[5, 9, 13, 2, 7, 30, 11], [40, 3, 3, 8]]
+
+
+@pytest.fixture(scope="module")
+def v4_pair(tmp_path_factory):
+    """(native folder, float twin folder) of the tiny V4."""
+    root = tmp_path_factory.mktemp("v4-native")
+    twin = write_native(root / "native", TINY_V4, tiny_v4_weights(), "v4")
+    return root / "native", write_float_twin(root / "twin", TINY_V4, twin)
+
+
+@pytest.fixture(scope="module")
+def v41_pair(tmp_path_factory):
+    root = tmp_path_factory.mktemp("v41-native")
+    raw = checkpoint_config(V41_NATIVE)
+    weights = demo_weights_v41(DeepseekV41Config.from_hf(raw), seed=3)
+    twin = write_native(copy_tokenizer(root / "native"), raw, weights, "v41")
+    return root / "native", write_float_twin(copy_tokenizer(root / "twin"), raw, twin)
+
+
+def taking(backend, *formats):
+    """The reference backend declaring `formats` (its ops dequantize quantized weights on the fly)."""
+    return dataclasses.replace(backend, capabilities=dataclasses.replace(backend.capabilities, weight_formats=formats))
+
+
+def run(path, backend):
+    llm = LLM(model=str(path), backend=backend, progress=False, num_kv_blocks=64)
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=5)
+    outputs = [o.outputs[0] for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+    return llm, [(o.token_ids, o.top_logprobs) for o in outputs]
+
+
+def test_the_native_files_hold_deepseeks_names_dtypes_and_config(v4_pair, v41_pair):
+    v4 = load_file(str(v4_pair[0] / "model.safetensors"))
+    assert "embed.weight" in v4 and "hc_head_fn" in v4 and "layers.0.attn.kv_norm.weight" in v4
+    assert not any(name.startswith("model.") for name in v4)
+    expert, scale = v4["layers.1.ffn.experts.0.w1.weight"], v4["layers.1.ffn.experts.0.w1.scale"]
+    assert expert.dtype == torch.int8 and expert.shape == (32, 32) and scale.shape == (32, 2)  # [I, D/2], [I, D/32]
+    assert scale.dtype == torch.float8_e8m0fnu
+    assert v4["layers.1.attn.wq_a.weight"].dtype == torch.float8_e4m3fn
+    assert v4["layers.1.attn.wq_a.scale"].shape == (1, 1)  # [32, 64] in one 128 x 128 block
+    config = json.loads((v4_pair[0] / "config.json").read_text())
+    assert config["expert_dtype"] == "fp4" and config["quantization_config"]["scale_fmt"] == "ue8m0"
+    v41 = load_file(str(v41_pair[0] / "model.safetensors"))
+    table = next(name for name in v41 if name.endswith("engram.embed.weight"))
+    assert v41[table].dtype == torch.float8_e4m3fn
+    assert v41[table.replace(".weight", ".scale")].shape == (v41[table].shape[0], 1)  # per 32 channels
+    assert v41["layers.1.attn.wq_a.scale"].shape == (1, 2)  # V4.1: 32 x 32 blocks of [20, 64]
+    assert json.loads((v41_pair[0] / "config.json").read_text())["quantization_config"]["expert_dtype"] == "fp4"
+
+
+@pytest.mark.parametrize("model", ["v4", "v41"])
+def test_native_checkpoints_compute_what_their_float_twin_computes(request, backends, model):  # noqa: F811
+    native, twin = request.getfixturevalue(f"{model}_pair")
+    cpu = backends(torch.float32)
+    _, want = run(twin, cpu)
+    _, dequantized = run(native, cpu)  # the cpu backend takes no quantized format: dequantized at load
+    assert dequantized == want
+    kept, got = run(native, taking(cpu, "fp8_block", "mxfp4"))
+    assert got == want
+    held = _weights_held(kept.model)
+    assert MXFP4 in held and BlockFP8 in held, held
+
+
+def _weights_held(model) -> set[type]:
+    """The types of every weight-like attribute reachable from the model's layers (two levels down)."""
+    found, seen = set(), set()
+
+    def visit(obj, depth):
+        if id(obj) in seen or depth > 4:
+            return
+        seen.add(id(obj))
+        if isinstance(obj, (BlockFP8, MXFP4)):
+            found.add(type(obj))
+        elif isinstance(obj, (list, tuple)):
+            for item in obj:
+                visit(item, depth + 1)
+        elif isinstance(obj, dict):
+            for item in obj.values():
+                visit(item, depth + 1)
+        elif hasattr(obj, "__dict__") and not isinstance(obj, torch.Tensor):
+            for item in vars(obj).values():
+                visit(item, depth + 1)
+
+    visit(model, 0)
+    return found
+
+
+def _rewrite(folder, tmp_path, edit_tensors=None, edit_config=None):
+    """A copy of the checkpoint in `folder` with its tensors / config edited."""
+    tensors = load_file(str(folder / "model.safetensors"))
+    config = json.loads((folder / "config.json").read_text())
+    if edit_tensors:
+        edit_tensors(tensors)
+    if edit_config:
+        edit_config(config)
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    return tmp_path
+
+
+@pytest.mark.parametrize(
+    "case, match",
+    [
+        ("no_scale", r"layers\.1\.ffn\.experts\.0\.w1\.weight is int8 \(32, 32\) with no scales beside it"),
+        ("bad_scale_fmt", r"scale_fmt 'ue4m3', a quantization DeepInfer does not read"),
+        ("bad_expert_dtype", r"expert_dtype 'int4'"),
+        ("unpacked", r"layers\.1\.ffn\.experts\.0\.w2\.weight is int8 .* would have to be \(64, 16\)"),
+        ("byte_scales", r"scales are uint8 but .* no scale_fmt 'ue8m0'"),
+        ("float_fp4_scales", r"w1\.weight's scales are float32 but FP4 \(MXFP4\) weights take E8M0"),
+        ("wrong_blocks", r"wq_a\.weight \(32, 64\) has FP8 scales \(3, 3\)"),
+    ],
+)
+def test_checkpoints_in_formats_deepinfer_does_not_read_are_refused_by_name(v4_pair, tmp_path, backends, case, match):  # noqa: F811
+    expert = "layers.1.ffn.experts.0"
+
+    def edit(tensors):
+        if case == "no_scale":
+            del tensors[f"{expert}.w1.scale"]
+        elif case == "unpacked":
+            tensors[f"{expert}.w2.weight"] = torch.zeros(64, 32, dtype=torch.int8)
+        elif case == "byte_scales":
+            tensors["layers.1.attn.wq_a.scale"] = tensors["layers.1.attn.wq_a.scale"].view(torch.uint8)
+        elif case == "float_fp4_scales":
+            tensors[f"{expert}.w1.scale"] = torch.full((32, 2), 0.3)
+        elif case == "wrong_blocks":
+            tensors["layers.1.attn.wq_a.scale"] = torch.ones(3, 3)
+
+    def config(raw):
+        if case == "bad_scale_fmt":
+            raw["quantization_config"]["scale_fmt"] = "ue4m3"
+        elif case == "bad_expert_dtype":
+            raw["expert_dtype"] = "int4"
+        elif case == "byte_scales":
+            del raw["quantization_config"]["scale_fmt"]
+
+    path = _rewrite(v4_pair[0], tmp_path / "bad", edit, config)
+    with pytest.raises(CheckpointError, match=match):
+        LLM(model=str(path), backend=backends(torch.float32), progress=False, num_kv_blocks=64)
