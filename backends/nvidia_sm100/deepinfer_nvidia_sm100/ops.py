@@ -1,6 +1,6 @@
 """The op table and attention of the nvidia_sm100 backend: Triton kernels, cuBLAS (through torch) for
-dense GEMMs in the default mode, the fixed-tiling Triton GEMM in batch-invariant mode and for FP8 weights
-(ops.BlockFP8: each float8 tile is dequantized in registers with its block's scale, never in memory).
+dense GEMMs in the default mode, the fixed-tiling Triton GEMM in batch-invariant mode and for quantized weights
+(ops.BlockFP8, ops.MXFP4: each tile is dequantized in registers with its scales, never in memory; kernels.quant).
 
 DeepSeek-V4's op features on those fast paths are Triton too: the swiglu limit (`silu_and_mul(limit=)`,
 `expert_ffn(swiglu_limit=)`, fused into the same kernels) and sqrtsoftplus / hash routing (the routing
@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from deepinfer_core.backend.ops import AttentionMetadata, BlockFP8, RoutingConfig, check_layer_fn
+from deepinfer_core.backend.ops import MXFP4, AttentionMetadata, BlockFP8, RoutingConfig, check_layer_fn
 from deepinfer_core.kv.formats import BlockFormat
 from deepinfer_core.kv.layout import CacheSpec, KVLayout
 from deepinfer_nvidia_sm100.kernels import (
@@ -41,7 +41,7 @@ from deepinfer_nvidia_sm100.kernels import (
 
 __all__ = ["NvidiaAttention", "NvidiaOps"]
 
-Weight = torch.Tensor | BlockFP8  # a dense weight, or DeepSeek's FP8 format
+Weight = torch.Tensor | BlockFP8 | MXFP4  # a dense weight, or DeepSeek's FP8 / FP4 formats
 
 
 class NvidiaOps:
@@ -65,7 +65,7 @@ class NvidiaOps:
         return elementwise.rotary(x, positions, cos, sin, interleaved=interleaved)
 
     def linear(self, x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
-        if self.batch_invariant or isinstance(weight, BlockFP8):  # FP8 weights: scaled in the Triton GEMM
+        if self.batch_invariant or isinstance(weight, (BlockFP8, MXFP4)):  # dequantized in the Triton GEMM
             return gemm.matmul(x, weight, bias)
         return F.linear(x, weight, bias)
 

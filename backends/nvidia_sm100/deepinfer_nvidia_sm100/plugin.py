@@ -48,11 +48,13 @@ def deepinfer_backend_capabilities():
         graph_capture=True,  # decode steps (DeepSeek-V4.1's not with host-placed engram tables)
         async_scheduling=True,
         communicators=("in_process",),
-        weight_formats=("fp8_block",),  # DeepSeek's FP8 weights stay FP8 in memory (half the bytes to read)
+        # DeepSeek's FP8 weights and FP4 experts stay so in memory (1/2 and ~1/4 of bf16's bytes to read), dequantized
+        # tile by tile in the GEMMs' registers (kernels.quant)
+        weight_formats=("fp8_block", "mxfp4"),
         # V4_OPS and V41_OPS are all Triton kernels: V4.1's hyper-connection, rounding and engram ops are
         # kernels.hyper, kernels.rounding and kernels.engram, expert_row_scales is fused into the grouped expert
-        # GEMM (kernels.moe), indexer_topk / indexer_select are kernels.indexer; DSPARK_OPS' block_attention is torch
-        # ops on the device (kernels.block_attention)
+        # GEMM (kernels.moe), indexer_topk / indexer_select are kernels.indexer; DSPARK_OPS' block_attention is a Triton
+        # kernel (kernels.block_attention)
     )
 
 

@@ -1,12 +1,13 @@
-"""FP8 weights (ops.BlockFP8) in the Triton GEMMs, under Triton's interpreter: the result is the GEMM of the
-dequantized weight, in both modes, and the batch-invariant GEMM stays bitwise invariant with them."""
+"""Quantized weights in the Triton GEMMs, under Triton's interpreter: FP8 (ops.BlockFP8, float32 or E8M0 scales,
+blocks spanning or dividing the K tile) and FP4 experts (ops.MXFP4). The result is the GEMM of the dequantized
+weight, in both modes, and the batch-invariant GEMM stays bitwise invariant with them."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from deepinfer_core.backend.ops import BlockFP8
+from deepinfer_core.backend.ops import MXFP4, BlockFP8
 from deepinfer_nvidia_sm100.kernels import gemm
 from deepinfer_nvidia_sm100.ops import NvidiaOps
 from tests.backends.nvidia.test_dense_kernels import REF, assert_matches, randn
@@ -14,8 +15,12 @@ from tests.backends.nvidia.test_dense_kernels import REF, assert_matches, randn
 DTYPES = [torch.float32, torch.bfloat16]
 
 
-def fp8(*shape: int, seed: int, block=(128, 128)) -> BlockFP8:
-    return BlockFP8.quantize(randn(*shape, dtype=torch.float32, seed=seed, scale=0.2), block)
+def fp8(*shape: int, seed: int, block=(128, 128), scales="float32") -> BlockFP8:
+    return BlockFP8.quantize(randn(*shape, dtype=torch.float32, seed=seed, scale=0.2), block, scales)
+
+
+def fp4(*shape: int, seed: int) -> MXFP4:
+    return MXFP4.quantize(randn(*shape, dtype=torch.float32, seed=seed, scale=0.2))
 
 
 @pytest.mark.parametrize("batch_invariant", [False, True], ids=["default", "invariant"])
@@ -66,7 +71,56 @@ def test_expert_ffn_with_fp8_weights_and_row_scales(dtype):
     assert_matches(got, REF.expert_ffn(x, counts, w13, w2, row_scales=scales), reduced=256, roundings=4)
 
 
-def test_scale_blocks_narrower_than_a_tile_are_refused():
-    weight = fp8(64, 64, seed=9, block=(16, 16))  # 16 columns per block: K tiles are 32 here
-    with pytest.raises(ValueError, match="not whole"):
-        gemm.matmul(randn(2, 64, dtype=torch.float32, seed=10), weight)
+@pytest.mark.parametrize("batch_invariant", [False, True], ids=["default", "invariant"])
+@pytest.mark.parametrize("block", [(128, 128), (32, 32), (16, 16)], ids=["128", "32", "16_inside_a_tile"])
+def test_linear_with_e8m0_scaled_fp8_is_the_dequantized_gemm(block, batch_invariant):
+    """V4 / V4.1's FP8: power-of-two scales as E8M0 bytes; 16-column blocks divide the interpreter's 32-column K
+    tiles (as V4.1's 32 divide the GPU's 64), so one tile multiplies two scales a column."""
+    dtype = torch.bfloat16
+    weight, x = fp8(72, 160, seed=15, block=block, scales="e8m0"), randn(5, 160, dtype=dtype, seed=16)
+    assert weight.pow2_scales
+    ops = NvidiaOps(batch_invariant=batch_invariant)
+    assert_matches(ops.linear(x, weight), REF.linear(x, weight), reduced=160, roundings=2)
+
+
+def test_e8m0_scale_bytes_at_both_ends_dequantize_as_the_reference():
+    """Scale byte 0 (2^-127, a float32 subnormal) and 254 (2^127) through the kernel's E8M0 decoding."""
+    values = torch.full((2, 32), 0.5).to(torch.float8_e4m3fn)
+    scales = torch.tensor([[0], [200]], dtype=torch.uint8).view(torch.float8_e8m0fnu)
+    weight = BlockFP8(values, scales, (1, 32))
+    x = torch.ones(1, 32)
+    got = gemm.matmul(x, weight)
+    assert torch.equal(got, REF.linear(x, weight)) and got[0, 0].item() == 16 * 2.0**-127
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("fixed_tiles", [True, False], ids=["invariant", "default"])
+def test_expert_ffn_with_fp4_experts_is_the_dequantized_ffn(dtype, fixed_tiles):
+    """V4 / V4.1's routed experts: e2m1 pairs unpacked (low nibble first) and scaled per 32 in registers."""
+    counts = torch.tensor([3, 0, 21, 1])
+    x = randn(int(counts.sum()), 128, dtype=dtype, seed=17)
+    w13, w2 = fp4(4, 192, 128, seed=18), fp4(4, 128, 96, seed=19)  # I = 96: three 32-blocks along w2's K
+    got = NvidiaOps().expert_ffn(x, counts, w13, w2)
+    assert_matches(got, REF.expert_ffn(x, counts, w13, w2), reduced=128, roundings=4)
+    scales = 0.05 + torch.rand(int(counts.sum()), generator=torch.Generator().manual_seed(20))
+    got = NvidiaOps().expert_ffn(x, counts, w13, w2, row_scales=scales, swiglu_limit=1.0)
+    want = REF.expert_ffn(x, counts, w13, w2, row_scales=scales, swiglu_limit=1.0)
+    assert_matches(got, want, reduced=128, roundings=4)
+
+
+def test_fp4_tiles_unpack_every_code_in_its_place():
+    """One expert whose weight is a hand-made code pattern, x one-hot: each output is one weight element, so a
+    swapped nibble or a scale on the wrong 32 shows as a wrong value, exactly."""
+    codes = torch.arange(64, dtype=torch.uint8).remainder(16)  # [64] codes along K
+    packed = (codes[0::2] | codes[1::2] << 4).repeat(2, 1)  # 2 rows of K = 64
+    scales = torch.tensor([[127, 129], [126, 127]], dtype=torch.uint8).view(torch.float8_e8m0fnu)
+    weight = MXFP4(packed[None], scales[None])  # [1, 2, 64]
+    eye = torch.eye(64)
+    got = gemm.matmul(eye, MXFP4(weight.weight[0], weight.scale[0]))  # [64, 2]: column n = row n of W
+    assert torch.equal(got.T, weight.dequantize()[0])
+
+
+def test_scale_blocks_that_neither_span_nor_divide_a_tile_are_refused():
+    weight = fp8(64, 96, seed=9, block=(24, 24))  # 24 columns per block: K tiles are 32 here
+    with pytest.raises(ValueError, match="neither span nor divide"):
+        gemm.matmul(randn(2, 96, dtype=torch.float32, seed=10), weight)

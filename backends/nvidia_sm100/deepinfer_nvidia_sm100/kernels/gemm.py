@@ -12,8 +12,10 @@ import torch
 import triton
 import triton.language as tl
 
-from deepinfer_core.backend.ops import BlockFP8
-from deepinfer_nvidia_sm100.kernels._common import INTERPRET, dot_in_float32, mma, weight_tile
+from deepinfer_core.backend.ops import MXFP4, BlockFP8
+from deepinfer_nvidia_sm100.kernels import quant
+from deepinfer_nvidia_sm100.kernels._common import INTERPRET, dot_in_float32, mma
+from deepinfer_nvidia_sm100.kernels.quant import check_tiles, weight_args, weight_tile
 
 SM_COUNT_HINT = 132  # programs to aim for on one wave; H200 has 132 SMs (a fixed number: results must not vary by GPU)
 
@@ -22,7 +24,7 @@ SM_COUNT_HINT = 132  # programs to aim for on one wave; H200 has 132 SMs (a fixe
 def _matmul_kernel(
     a_ptr, b_ptr, bias_ptr, c_ptr, ws_ptr, scale_ptr, M, N, K, K_PER_SPLIT,
     sa_b, sa_m, sa_k, sb_b, sb_n, sb_k, sc_b, sc_m, sc_n, ss_b, ss_n, ss_k,
-    HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, F32: tl.constexpr, SCALED: tl.constexpr,
+    HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, F32: tl.constexpr, FORMAT: tl.constexpr,
     QBN: tl.constexpr, QBK: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
 ):  # fmt: skip
     pid, batch, split = tl.program_id(0), tl.program_id(1).to(tl.int64), tl.program_id(2)
@@ -33,14 +35,13 @@ def _matmul_kernel(
     k_lo = split * K_PER_SPLIT
     k_hi = tl.minimum(K, k_lo + K_PER_SPLIT)
     a_rows = a_ptr + batch * sa_b + rm[:, None].to(tl.int64) * sa_m
-    b_cols = b_ptr + batch * sb_b + rn[None, :].to(tl.int64) * sb_n
+    b_base, scale_base = b_ptr + batch * sb_b, scale_ptr + batch * ss_b
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     for k in range(k_lo, k_hi, BK):
         ks = k + rk
         a = tl.load(a_rows + ks[None, :] * sa_k, mask=(rm[:, None] < M) & (ks[None, :] < k_hi), other=0.0)
-        b_mask = (rn[None, :] < N) & (ks[:, None] < k_hi)
-        scales = scale_ptr + batch * ss_b + (rn // QBN) * ss_n + (k // QBK) * ss_k  # FP8: one block per K tile
-        acc = mma(a, weight_tile(b_cols + ks[:, None] * sb_k, b_mask, scales, rn < N, a.dtype, SCALED), acc, F32)
+        b = weight_tile(b_base, sb_n, sb_k, rn, N, k, k_hi, scale_base, ss_n, ss_k, a.dtype, FORMAT, QBN, QBK, BK, BN)
+        acc = mma(a, b, acc, F32)
     mask = (rm[:, None] < M) & (rn[None, :] < N)
     if SPLIT_K == 1:
         if HAS_BIAS:
@@ -100,13 +101,14 @@ def split_count(
 
 
 def batched_matmul(
-    a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None, b_scale: BlockFP8 | None = None, *,
+    a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None, b_scale: BlockFP8 | MXFP4 | None = None, *,
     tiles: tuple[int, int, int, int] | None = None, waves: int = 1, stages: int = 3, max_splits: int | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """a [G, M, K] @ b[G, N, K]^T (+ bias [N]) -> [G, M, N] in a.dtype, batch-invariant in M (any strides).
 
-    b_scale: b is the float8 weight of this BlockFP8 (with a leading G dim on its scale): each weight tile
-    is dequantized in registers (rounded to a.dtype, as a dequantize-then-GEMM would), never in memory.
+    b_scale: b is the float8 weight of this BlockFP8 (with a leading G dim on its scale; float32 or E8M0 scales,
+    blocks spanning or dividing the K tile): each weight tile is dequantized in registers (rounded to a.dtype, as a
+    dequantize-then-GEMM would), never in memory.
     tiles (BM, BN, BK, warps), waves, stages, max_splits: other fixed tilings, for bench/gpu_gemm.py to compare (each is
     batch-invariant too: none depends on M); production takes the defaults."""
     groups, m, k = a.shape
@@ -118,21 +120,21 @@ def batched_matmul(
         return out.zero_() if bias is None else out.copy_(bias.expand_as(out))
     bias = None if bias is None else bias.contiguous()
     bm, bn, bk, warps = tiles or _tiles(a.dtype)
-    qbn, qbk = b_scale.block if b_scale is not None else (1, bk)
-    if qbk % bk:
-        raise ValueError(f"FP8 scale blocks of {qbk} columns are not whole {bk}-column tiles")
-    scale = b_scale.scale.reshape(groups, *b_scale.scale.shape[-2:]) if b_scale is not None else out
+    weight = weight_args(b_scale if b_scale is not None else b)
+    check_tiles(weight, bk)
+    if weight.scales is not None:  # a leading G dim on the scales too
+        weight = weight._replace(scales=weight.scales.reshape(groups, *weight.scales.shape[-2:]))
+    scale, *scale_strides = quant.scale_strides(weight, out)
     splits = split_count(n, k, a.dtype, (bm, bn, bk, warps), waves, max_splits)
     k_per_split = triton.cdiv(triton.cdiv(k, bk), splits) * bk
     workspace = torch.empty((splits, groups, m, n), dtype=torch.float32, device=a.device) if splits > 1 else out
     launch = {} if INTERPRET else {"num_stages": stages}
     grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn), groups, splits)
-    scale_strides = scale.stride() if b_scale is not None else (0, 0, 0)
     _matmul_kernel[grid](
         a, b, bias if bias is not None else out, out, workspace, scale, m, n, k, k_per_split,
         *a.stride(), *b.stride(), *out.stride(), *scale_strides,
         HAS_BIAS=bias is not None and splits == 1, SPLIT_K=splits, F32=dot_in_float32(a.dtype),
-        SCALED=b_scale is not None, QBN=qbn, QBK=qbk, BM=bm, BN=bn, BK=bk, num_warps=warps, **launch,
+        FORMAT=weight.format, QBN=weight.block[0], QBK=weight.block[1], BM=bm, BN=bn, BK=bk, num_warps=warps, **launch,
     )  # fmt: skip
     if splits > 1:
         block = 1024
@@ -143,9 +145,10 @@ def batched_matmul(
     return out
 
 
-def matmul(x: torch.Tensor, weight: torch.Tensor | BlockFP8, bias: torch.Tensor | None = None) -> torch.Tensor:
+def matmul(x: torch.Tensor, weight: torch.Tensor | BlockFP8 | MXFP4, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] @ weight [N, K]^T (+ bias) -> [..., N], batch-invariant in the leading dims."""
     rows = x.reshape(-1, x.shape[-1])
-    values, scale = (weight.weight, weight) if isinstance(weight, BlockFP8) else (weight, None)
+    quantized = isinstance(weight, (BlockFP8, MXFP4))
+    values, scale = (weight.weight, weight) if quantized else (weight, None)
     out = batched_matmul(rows[None], values[None], bias, b_scale=scale)[0]
     return out.view(*x.shape[:-1], weight.shape[0])

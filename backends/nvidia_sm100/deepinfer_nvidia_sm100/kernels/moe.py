@@ -19,9 +19,9 @@ import torch
 import triton
 import triton.language as tl
 
-from deepinfer_core.backend.ops import BlockFP8
-from deepinfer_nvidia_sm100.kernels._common import INTERPRET, dot_in_float32, mma, next_pow2, weight_tile
+from deepinfer_nvidia_sm100.kernels._common import INTERPRET, dot_in_float32, mma, next_pow2
 from deepinfer_nvidia_sm100.kernels.elementwise import limit_in, silu_and_mul, silu_mul_float32, silu_mul_rounded
+from deepinfer_nvidia_sm100.kernels.quant import DENSE, WeightArgs, check_tiles, scale_strides, weight_args, weight_tile
 
 
 @triton.jit
@@ -42,8 +42,8 @@ def _locate_tile(counts_ptr, E, pid_m, BE: tl.constexpr, BM: tl.constexpr):
 
 @triton.jit
 def _gate_up_kernel(
-    x_ptr, w_ptr, scale_ptr, counts_ptr, act_ptr, row_scales_ptr, D, INNER, E, sx_m, sw_e, sw_n, ss_e, ss_n, sa_m,
-    limit, F32: tl.constexpr, SCALED: tl.constexpr, QBN: tl.constexpr, QBK: tl.constexpr, HAS_LIMIT: tl.constexpr,
+    x_ptr, w_ptr, scale_ptr, counts_ptr, act_ptr, row_scales_ptr, D, INNER, E, sx_m, sw_e, sw_n, ss_e, ss_n, ss_k,
+    sa_m, limit, F32: tl.constexpr, FORMAT: tl.constexpr, QBN: tl.constexpr, QBK: tl.constexpr, HAS_LIMIT: tl.constexpr,
     ROW_SCALED: tl.constexpr, BE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
 ):  # fmt: skip
     expert, row0, row_end = _locate_tile(counts_ptr, E, tl.program_id(0), BE, BM)
@@ -53,18 +53,14 @@ def _gate_up_kernel(
     rn = tl.program_id(1) * BN + tl.arange(0, BN)
     rk = tl.arange(0, BK)
     x_rows = x_ptr + rm[:, None].to(tl.int64) * sx_m
-    gate_cols = w_ptr + expert.to(tl.int64) * sw_e + rn[None, :].to(tl.int64) * sw_n
-    up_cols = gate_cols + INNER * sw_n
+    w, scales = w_ptr + expert.to(tl.int64) * sw_e, scale_ptr + expert.to(tl.int64) * ss_e
     acc_gate = tl.zeros((BM, BN), dtype=tl.float32)
     acc_up = tl.zeros((BM, BN), dtype=tl.float32)
     for k in range(0, D, BK):
         ks = k + rk
         a = tl.load(x_rows + ks[None, :], mask=(rm[:, None] < row_end) & (ks[None, :] < D), other=0.0)
-        b_mask = (rn[None, :] < INNER) & (ks[:, None] < D)
-        scales = scale_ptr + expert.to(tl.int64) * ss_e + k // QBK  # FP8: this K range's block scales
-        gate = weight_tile(gate_cols + ks[:, None], b_mask, scales + (rn // QBN) * ss_n, rn < INNER, a.dtype, SCALED)
-        up_scales = scales + ((rn + INNER) // QBN) * ss_n
-        up = weight_tile(up_cols + ks[:, None], b_mask, up_scales, rn < INNER, a.dtype, SCALED)
+        gate = weight_tile(w, sw_n, 1, rn, INNER, k, D, scales, ss_n, ss_k, a.dtype, FORMAT, QBN, QBK, BK, BN)
+        up = weight_tile(w, sw_n, 1, rn + INNER, 2 * INNER, k, D, scales, ss_n, ss_k, a.dtype, FORMAT, QBN, QBK, BK, BN)
         acc_gate = mma(a, gate, acc_gate, F32)
         acc_up = mma(a, up, acc_up, F32)
     dtype = act_ptr.dtype.element_ty
@@ -81,8 +77,8 @@ def _gate_up_kernel(
 
 @triton.jit
 def _down_kernel(
-    a_ptr, w_ptr, scale_ptr, counts_ptr, out_ptr, D, INNER, E, sa_m, sw_e, sw_n, ss_e, ss_n, so_m,
-    F32: tl.constexpr, SCALED: tl.constexpr, QBN: tl.constexpr, QBK: tl.constexpr,
+    a_ptr, w_ptr, scale_ptr, counts_ptr, out_ptr, D, INNER, E, sa_m, sw_e, sw_n, ss_e, ss_n, ss_k, so_m,
+    F32: tl.constexpr, FORMAT: tl.constexpr, QBN: tl.constexpr, QBK: tl.constexpr,
     BE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
 ):  # fmt: skip
     expert, row0, row_end = _locate_tile(counts_ptr, E, tl.program_id(0), BE, BM)
@@ -92,14 +88,13 @@ def _down_kernel(
     rn = tl.program_id(1) * BN + tl.arange(0, BN)
     rk = tl.arange(0, BK)
     a_rows = a_ptr + rm[:, None].to(tl.int64) * sa_m
-    w_cols = w_ptr + expert.to(tl.int64) * sw_e + rn[None, :].to(tl.int64) * sw_n
+    w, scales = w_ptr + expert.to(tl.int64) * sw_e, scale_ptr + expert.to(tl.int64) * ss_e
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     for k in range(0, INNER, BK):
         ks = k + rk
         a = tl.load(a_rows + ks[None, :], mask=(rm[:, None] < row_end) & (ks[None, :] < INNER), other=0.0)
-        scales = scale_ptr + expert.to(tl.int64) * ss_e + k // QBK + (rn // QBN) * ss_n
-        b_mask = (rn[None, :] < D) & (ks[:, None] < INNER)
-        acc = mma(a, weight_tile(w_cols + ks[:, None], b_mask, scales, rn < D, a.dtype, SCALED), acc, F32)
+        b = weight_tile(w, sw_n, 1, rn, D, k, INNER, scales, ss_n, ss_k, a.dtype, FORMAT, QBN, QBK, BK, BN)
+        acc = mma(a, b, acc, F32)
     mask = (rm[:, None] < row_end) & (rn[None, :] < D)
     tl.store(out_ptr + rm[:, None].to(tl.int64) * so_m + rn[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
 
@@ -119,11 +114,12 @@ def _tiles(dtype: torch.dtype, size: str) -> tuple[int, int, int, int, int]:
 LARGE_ROWS_PER_EXPERT = 512  # from here on the 128 x 128 tiles win (compute-bound, prefill-sized)
 
 
-def _weight_args(w) -> tuple[torch.Tensor, torch.Tensor | None, tuple[int, int]]:
-    """(weight, scale or None, quant block) of a dense or BlockFP8 expert weight [E, N, K]."""
-    if isinstance(w, BlockFP8):
-        return w.weight.contiguous(), w.scale.contiguous(), w.block
-    return w.contiguous(), None, (1, 1)
+def _weight_args(w) -> WeightArgs:
+    """A dense, BlockFP8 or MXFP4 expert weight [E, N, K] as the kernels take it, contiguous."""
+    args = weight_args(w)
+    return args._replace(
+        values=args.values.contiguous(), scales=None if args.scales is None else args.scales.contiguous()
+    )
 
 
 def expert_ffn(
@@ -136,7 +132,7 @@ def expert_ffn(
     row_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x [N, D] rows sorted by expert, tokens_per_expert [E], w13 [E, 2I, D], w2 [E, D, I] -> [N, D];
-    either weight may be a BlockFP8 (its scale blocks must span whole K tiles).
+    either weight may be a BlockFP8 (scale blocks spanning or dividing the K tiles) or an MXFP4.
 
     fixed_tiles=False lets the tile size follow the number of rows (faster prefill, not batch-invariant).
     swiglu_limit (V4): the fused activation clamps as `silu_and_mul(limit=)` does, in the same kernel.
@@ -150,40 +146,42 @@ def expert_ffn(
     if rows == 0:
         return out
     x = x.contiguous()
-    (w13, s13, q13), (w2, s2, q2) = _weight_args(w13), _weight_args(w2)
+    g13, g2 = _weight_args(w13), _weight_args(w2)
     act = torch.empty((rows, inner), dtype=x.dtype, device=x.device)
     # (narrower 32-column tiles for fewer rows than experts were tried: 0.2 ms slower per step at batch 1 on
     # the H200, bench/README.md)
     size = "large" if not fixed_tiles and rows >= LARGE_ROWS_PER_EXPERT * experts else "fixed"
-    if size == "large" and _torch_grouped_mm_takes(x, w13, w2):
-        return _torch_grouped_ffn(x, _counts_on(tokens_per_expert, x), w13, w2, swiglu_limit, row_scales)
+    dense = g13.format == DENSE and g2.format == DENSE
+    if size == "large" and dense and _torch_grouped_mm_takes(x, g13.values, g2.values):
+        return _torch_grouped_ffn(x, _counts_on(tokens_per_expert, x), g13.values, g2.values, swiglu_limit, row_scales)
     bm, bn, bk, warps, stages = _tiles(x.dtype, size)
-    for scale, block in ((s13, q13), (s2, q2)):
-        if scale is not None and block[1] % bk:
-            raise ValueError(f"FP8 scale blocks of {block[1]} columns are not whole {bk}-column tiles")
+    check_tiles(g13, bk)
+    check_tiles(g2, bk)
     row_tiles = triton.cdiv(rows, bm) + experts
     common = dict(F32=dot_in_float32(x.dtype), BE=next_pow2(experts), BM=bm, BN=bn, BK=bk, num_warps=warps)
     if not INTERPRET:
         common["num_stages"] = stages
     counts = _counts_on(tokens_per_expert, x)
 
-    def scale_args(scale, block):
-        if scale is None:
-            return (out, 0, 0), dict(SCALED=False, QBN=1, QBK=1)
-        return (scale, scale.stride(0), scale.stride(1)), dict(SCALED=True, QBN=block[0], QBK=block[1])
+    def weight(args: WeightArgs) -> tuple[list, dict]:
+        """(the weight's tensors and strides, its constexprs) for the kernels."""
+        scale, *strides = scale_strides(args, out)
+        values = args.values
+        flags = dict(FORMAT=args.format, QBN=args.block[0], QBK=args.block[1])
+        return [values, scale, values.stride(0), values.stride(1), *strides], flags
 
-    (sp13, se13, sn13), flags13 = scale_args(s13, q13)
+    (w13_, s13, sw_e, sw_n, ss_e, ss_n, ss_k), flags13 = weight(g13)
     row_scaled = row_scales is not None
     # the clamp happens in x.dtype as silu_and_mul's does, or in float32 before the row scale
     limit, has_limit = limit_in(swiglu_limit, torch.float32 if row_scaled else x.dtype)
     scales = row_scales.to(device=x.device, dtype=torch.float32).contiguous() if row_scaled else act
     _gate_up_kernel[(row_tiles, triton.cdiv(inner, bn))](
-        x, w13, sp13, counts, act, scales, hidden, inner, experts, x.stride(0), w13.stride(0), w13.stride(1), se13,
-        sn13, act.stride(0), limit, HAS_LIMIT=has_limit, ROW_SCALED=row_scaled, **flags13, **common,
+        x, w13_, s13, counts, act, scales, hidden, inner, experts, x.stride(0), sw_e, sw_n, ss_e, ss_n, ss_k,
+        act.stride(0), limit, HAS_LIMIT=has_limit, ROW_SCALED=row_scaled, **flags13, **common,
     )  # fmt: skip
-    (sp2, se2, sn2), flags2 = scale_args(s2, q2)
+    (w2_, s2, sw_e, sw_n, ss_e, ss_n, ss_k), flags2 = weight(g2)
     _down_kernel[(row_tiles, triton.cdiv(hidden, bn))](
-        act, w2, sp2, counts, out, hidden, inner, experts, act.stride(0), w2.stride(0), w2.stride(1), se2, sn2,
+        act, w2_, s2, counts, out, hidden, inner, experts, act.stride(0), sw_e, sw_n, ss_e, ss_n, ss_k,
         out.stride(0), **flags2, **common,
     )  # fmt: skip
     return out
