@@ -164,7 +164,7 @@ def launch_v41(dtype: torch.dtype) -> None:
 
 
 def launch_everything() -> None:
-    from deepinfer_core.backend.ops import AttentionMetadata, BlockFP8, RoutingConfig
+    from deepinfer_core.backend.ops import MXFP4, AttentionMetadata, BlockFP8, RoutingConfig
     from deepinfer_core.kv.layout import CacheKind, CacheSpec
     from deepinfer_nvidia_sm100.kernels import attention, elementwise, gemm, hyper, moe, noise, routing
 
@@ -181,6 +181,8 @@ def launch_everything() -> None:
         gemm.matmul(x, torch.randn(8192, 2048).to(dtype))  # no split
         gemm.batched_matmul(torch.randn(16, 8, 128).to(dtype), torch.randn(16, 512, 128).to(dtype))
         gemm.matmul(x, BlockFP8.quantize(torch.randn(576, 2048)))  # FP8 weight
+        gemm.matmul(x, BlockFP8.quantize(torch.randn(576, 2048), (128, 128), "e8m0"))  # V4: E8M0 scales
+        gemm.matmul(x, BlockFP8.quantize(torch.randn(576, 2048), (32, 32), "e8m0"))  # V4.1: 32 inside a K tile
         w13, w2 = torch.randn(4, 256, 256).to(dtype), torch.randn(4, 256, 128).to(dtype)
         for rows in (8, 4 * 512):  # fixed and large tiles
             counts = torch.full((4,), rows // 4, dtype=torch.int64)
@@ -191,6 +193,11 @@ def launch_everything() -> None:
                        BlockFP8.quantize(w2.float()))  # fmt: skip
         moe.expert_ffn(torch.randn(8, 256).to(dtype), counts, BlockFP8.quantize(w13.float()),
                        BlockFP8.quantize(w2.float()), swiglu_limit=10.0)  # fmt: skip
+        moe.expert_ffn(torch.randn(8, 256).to(dtype), counts, BlockFP8.quantize(w13.float(), (32, 32), "e8m0"),
+                       BlockFP8.quantize(w2.float(), (32, 32), "e8m0"), row_scales=torch.rand(8))  # fmt: skip
+        for fixed in (True, False):  # FP4 experts (V4 / V4.1), both tilings
+            moe.expert_ffn(torch.randn(8, 256).to(dtype), counts, MXFP4.quantize(w13.float()),
+                           MXFP4.quantize(w2.float()), fixed_tiles=fixed, swiglu_limit=10.0)  # fmt: skip
         # DeepSeek-V4 Flash's shapes: 4 streams of 4096, both mixer forms; CSA (2 x 4 slots) and HCA (128) pooling
         streams = torch.randn(3, 4, 4096).to(dtype)
         hyper.hc_norm(streams, 1e-6)

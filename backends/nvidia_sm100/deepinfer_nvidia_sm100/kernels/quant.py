@@ -85,8 +85,10 @@ def _scales(scale_ptr, kb, rows, row_ok, k_hi, ss_n, ss_k, QBN: tl.constexpr, QB
     mask = row_ok[None, :] & (kb[:, None] * QBK < k_hi)
     ptrs = scale_ptr + kb[:, None] * ss_k + (rows // QBN)[None, :] * ss_n
     if FORMAT == 1:
-        return tl.load(ptrs, mask=mask, other=0.0)
-    return e8m0_to_float(tl.load(ptrs, mask=mask, other=0))
+        scales = tl.load(ptrs, mask=mask, other=0.0)
+    else:
+        scales = e8m0_to_float(tl.load(ptrs, mask=mask, other=0))
+    return scales
 
 
 @triton.jit
@@ -97,6 +99,7 @@ def weight_tile(
     """The [BK, BN] tile W[rows, k .. k + BK]^T of a weight W [N, K] in `dtype` (zeros past n_hi / k_hi).
     MXFP4: w_ptr points at the packed bytes [N, K / 2] (sw_n their row stride); scales [N, K / 32]."""
     row_ok = rows < n_hi
+    # if / else all the way (no early return): Triton compiles the statements after a constexpr-true `return`
     if FORMAT == 3:
         half = k // 2 + tl.arange(0, BK // 2)
         packed = tl.load(w_ptr + rows[None, :].to(tl.int64) * sw_n + half[:, None], mask=row_ok[None, :] &
@@ -105,18 +108,22 @@ def weight_tile(
         w = tl.reshape(tl.permute(pairs, (0, 2, 1)), (BK, BN))
         kb = k // QBK + tl.arange(0, BK // QBK)
         scales = _scales(scale_ptr, kb, rows, row_ok, k_hi, ss_n, ss_k, QBN, QBK, FORMAT)
-        return tl.reshape(tl.reshape(w, (BK // QBK, QBK, BN)) * scales[:, None, :], (BK, BN)).to(dtype)
-    ks = k + tl.arange(0, BK)
-    w = tl.load(w_ptr + rows[None, :].to(tl.int64) * sw_n + ks[:, None] * sw_k,
-                mask=row_ok[None, :] & (ks[:, None] < k_hi), other=0.0)  # fmt: skip
-    if FORMAT == 0:
-        return w
-    if QBK >= BK:  # the tile lies in one K block: one scale a column
-        scales = _scales(scale_ptr, k // QBK + tl.arange(0, 1), rows, row_ok, k_hi, ss_n, ss_k, QBN, QBK, FORMAT)
-        return (w.to(tl.float32) * scales).to(dtype)
-    kb = k // QBK + tl.arange(0, BK // QBK)
-    scales = _scales(scale_ptr, kb, rows, row_ok, k_hi, ss_n, ss_k, QBN, QBK, FORMAT)
-    return tl.reshape(tl.reshape(w.to(tl.float32), (BK // QBK, QBK, BN)) * scales[:, None, :], (BK, BN)).to(dtype)
+        tile = tl.reshape(tl.reshape(w, (BK // QBK, QBK, BN)) * scales[:, None, :], (BK, BN)).to(dtype)
+    else:
+        ks = k + tl.arange(0, BK)
+        w = tl.load(w_ptr + rows[None, :].to(tl.int64) * sw_n + ks[:, None] * sw_k,
+                    mask=row_ok[None, :] & (ks[:, None] < k_hi), other=0.0)  # fmt: skip
+        if FORMAT == 0:
+            tile = w
+        elif QBK >= BK:  # the tile lies in one K block: one scale a column
+            scales = _scales(scale_ptr, k // QBK + tl.arange(0, 1), rows, row_ok, k_hi, ss_n, ss_k, QBN, QBK, FORMAT)
+            tile = (w.to(tl.float32) * scales).to(dtype)
+        else:
+            kb = k // QBK + tl.arange(0, BK // QBK)
+            scales = _scales(scale_ptr, kb, rows, row_ok, k_hi, ss_n, ss_k, QBN, QBK, FORMAT)
+            blocks = tl.reshape(w.to(tl.float32), (BK // QBK, QBK, BN)) * scales[:, None, :]
+            tile = tl.reshape(blocks, (BK, BN)).to(dtype)
+    return tile
 
 
 def scale_strides(args: WeightArgs, fallback: torch.Tensor) -> tuple[torch.Tensor, int, int, int]:
