@@ -57,3 +57,30 @@ def tiny_v4(tmp_path_factory):
     """Folder of a tiny DeepSeek-V4 checkpoint (config.json + model.safetensors, random weights): sliding,
     CSA and HCA layers, hash and top-k MoE, hyper-connections; written once per session."""
     return write_tiny_v4(tmp_path_factory.mktemp("tiny-v4"))
+
+
+@pytest.fixture(scope="session")
+def native_checkpoint(tmp_path_factory):
+    """native_checkpoint("v4" | "v41") -> (folder of the tiny model in DeepSeek's native layout and formats: FP4
+    experts, E8M0 FP8 projections, V4.1's FP8 Engram tables; folder of its float twin), written by DeepInfer's
+    own quantizer (model/native_export.py) once per session."""
+    made = {}
+
+    def make(family: str):
+        if family not in made:
+            from deepinfer_conformance.tiny_v4 import TINY_V4, tiny_v4_weights
+            from deepinfer_conformance.tiny_v41 import tiny_v41_config, tiny_v41_weights, write_tokenizer
+            from deepinfer_core.model.native_export import write_float_twin, write_native
+
+            root = tmp_path_factory.mktemp(f"native-{family}")
+            if family == "v4":
+                raw, weights = TINY_V4, tiny_v4_weights()
+            else:
+                raw = tiny_v41_config(write_tokenizer(root / "native"))
+                weights = tiny_v41_weights(raw)
+                write_tokenizer(root / "twin")
+            twin = write_native(root / "native", raw, weights, family)
+            made[family] = root / "native", write_float_twin(root / "twin", raw, twin)
+        return made[family]
+
+    return make

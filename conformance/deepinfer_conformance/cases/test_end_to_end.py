@@ -68,9 +68,11 @@ def test_greedy_float32_fp8_checkpoint(suite, check, tiny_v3_fp8):
     compare_float32(check, tiny_v3_fp8, ours, ref)
 
 
-def compare_float32(check, path, ours, ref) -> None:
+def compare_float32(check, path, ours, ref, ref_path=None) -> None:
+    """Greedy tokens and top logprobs of the checkpoint at `path` on `ours` against the reference's (on
+    `ref_path` where given: the same model stored another way)."""
     batch = prompts()
-    got, want = engine(path, ours).generate(batch, greedy()), engine(path, ref).generate(batch, greedy())
+    got, want = engine(path, ours).generate(batch, greedy()), engine(ref_path or path, ref).generate(batch, greedy())
     actual, expected, diverged = [], [], []
     for n, g, w in zip(PROMPT_LENGTHS, got, want):
         g, w = g.outputs[0], w.outputs[0]
