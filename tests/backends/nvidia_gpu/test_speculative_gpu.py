@@ -124,3 +124,32 @@ def test_pipelined_verify_steps_give_plain_decodings_on_the_gpu(
     assert any(pipelined) and any(a for a in ran_ahead if a), "no pipelined step ran past accepted drafts"
     graphs = spec.engine.runner.graphs
     assert graphs is not None and max(q for _, q, _ in graphs._replays) > 1, "verify steps ran eagerly"
+
+
+@pytest.mark.parametrize("model", ["v3", "v41"])
+def test_verify_steps_give_decode_steps_logprobs_bit_for_bit_in_batch_invariant_mode(tmp_path, mtp_checkpoint, model):
+    """Batch-invariant mode (fixed-tiling GEMMs, row-local kernels), bfloat16: a position's logits in a verify step
+    (drafts beside it, other requests around it) are bitwise its logits in plain decoding's single-token step, so
+    every logprob of the speculative run equals plain decoding's, greedy and seeded."""
+    from tests.engine.test_speculative_dspark import DSPARK
+    from tests.model.v41_checkpoints import write_checkpoint
+
+    path = mtp_checkpoint if model == "v3" else str(write_checkpoint(tmp_path / "v41", DSPARK, seed=5))
+    prompts = [LOOP, LOOP[2:], LOOP[:13]]
+    params = [SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=5),
+              SamplingParams(temperature=0.8, seed=5, max_tokens=24, ignore_eos=True, logprobs=5),
+              SamplingParams(temperature=0, max_tokens=17, ignore_eos=True, logprobs=5)]  # fmt: skip
+
+    def run(speculative):
+        llm = LLM(model=path, accelerator="nvidia", dtype="bfloat16", block_size=16, progress=False, num_kv_blocks=64,
+                  batch_invariant=True, speculative_config=speculative)  # fmt: skip
+        return llm, [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+
+    _, want = run(None)
+    spec, got = run({"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3})
+    # every verify step's first position (and its accepted drafts') comes out of a multi-token step
+    assert spec.engine.spec_stats.num_draft_tokens > 0, "nothing was drafted: no verify step was compared"
+    for g, w in zip(got, want):
+        assert g.token_ids == w.token_ids
+        for gp, wp in zip(g.logprobs, w.logprobs):
+            assert {t: p.logprob for t, p in gp.items()} == {t: p.logprob for t, p in wp.items()}
