@@ -17,6 +17,7 @@ from pathlib import Path
 import _gpu_measure as measure
 import _gpu_v4 as models
 import _gpu_v4_bound as bound
+import _gpu_v4_quant as quant
 import torch
 from _gpu_report import write_plot
 from _gpu_runners import (
@@ -76,6 +77,13 @@ def main(args, argv: list[str] | None) -> int:
     bi_model = models.build_ours(family, cfg, weights, bi)[0] if bi is not None else None
     if bi_model is not None:
         seconds["ours_batch_invariant"] = time.perf_counter() - t0
+    block = backend.kv_layout.block_size if backend else 128
+    engine = engine_config(args, block, window_snapshot_bytes=0)  # no host copies of windows: nothing hits
+    quantized, quant_notes = {}, {"reason": "skipped (pass --quantized)"}
+    if model is not None and args.quantized:
+        t0 = time.perf_counter()
+        quantized, quant_notes = quant.quantized_systems(family, cfg, weights, entry, dtype, engine)
+        seconds["quantized_models"] = time.perf_counter() - t0
     hf = None
     if hf_reason is None:
         t0 = time.perf_counter()
@@ -83,12 +91,12 @@ def main(args, argv: list[str] | None) -> int:
         seconds["hf"] = time.perf_counter() - t0
     del weights  # the models hold what they read
 
-    block = backend.kv_layout.block_size if backend else 128
-    engine = engine_config(args, block, window_snapshot_bytes=0)  # no host copies of windows: nothing hits
     systems = {"ours_default": Ours(model, backend, engine)} if model is not None else {}
     if bi_model is not None:
         systems["ours_batch_invariant"] = Ours(bi_model, bi, engine)
+    systems |= quantized
     decode, prefill, profiles = run_workload(args, systems, hf, cfg.vocab_size, device)
+    quant_notes |= quant.quantized_summary(decode, measure.token_match) if quantized else {}
 
     specs, specs_from = _cache_specs(family, cfg, model, dtype)
     report = {
@@ -110,6 +118,7 @@ def main(args, argv: list[str] | None) -> int:
         },
         "batch_invariant": {"measured": bi_model is not None, "reason": bi_reason},
         "fp8": {"measured": False, "reason": NOT_MEASURED.format(model=args.model)},
+        "quantized": {"measured": bool(quantized), **quant_notes},
         "hf": {"available": False, "reason": hf_reason}
         if hf is None
         else {
@@ -129,6 +138,8 @@ def main(args, argv: list[str] | None) -> int:
         "profile": profiles,
     }
     bound.summarise(report, family, cfg, specs)
+    if "ours_fp4_experts" in decode:
+        _fp4_bound(report, family, cfg, specs)
     if device.type == "cuda":
         report["measurements"]["max_memory_allocated_bytes"] = torch.cuda.max_memory_allocated(device)
     title = f"{family.title}, {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, {_name(dtype)}, {name}"
@@ -139,6 +150,19 @@ def main(args, argv: list[str] | None) -> int:
     bound.print_table(report)
     print(f"\nwrote {out} ({report['wall_seconds']:.0f} s)")
     return 0
+
+
+def _fp4_bound(report: dict, family, cfg, specs) -> None:
+    """The FP4-expert model against a bound counting its own expert bytes (fraction_of_own_bound)."""
+    work, sizes = report["workload"], quant.fp4_sizes(report["params"])
+    bw = report["measurements"]["copy_bandwidth"]["gb_per_s"] * 1e9
+    peak = report["measurements"]["gemm"]["tflop_per_s"] * 1e12
+    context = work["prompt_len"] + work["new_tokens"] / 2
+    results = report["decode"]["ours_fp4_experts"]
+    own = {b: bound.decode_step_bound(family, cfg, sizes, specs, int(b), context, bw, peak) for b in results}
+    report["bound"]["decode_fp4_experts"] = own
+    for b, r in results.items():
+        r["fraction_of_own_bound"] = own[b]["bound_ms"] / r["ms_per_step"]
 
 
 def _batch_invariant_backend(args, entry, dtype):

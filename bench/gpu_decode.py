@@ -90,6 +90,12 @@ def parse_args(argv):
         help="also measure a model of ours holding the weights FP8 block-quantized (ops.BlockFP8), where the "
         "backend declares the fp8_block weight format (skipped with the reason otherwise)",
     )
+    p.add_argument(
+        "--quantized",
+        action="store_true",
+        help="--model v4 / v41: also models of ours holding the routed experts FP4 (MXFP4), the same experts "
+        "dequantized, and the projections FP8 with E8M0 scales (bench/_gpu_v4_quant.py)",
+    )
     p.add_argument("--profile", action="store_true", help="torch.profiler: top 25 kernels of our decode steps")
     p.add_argument("--profile-batches", type=ints, help="default 1,64 (tiny 1,4)")
     p.add_argument(

@@ -22,7 +22,17 @@ import torch
 
 from deepinfer_core.kv.formats import E2M1_MAX, E4M3_MAX, e2m1_codes, e2m1_values, pow2_ceil
 
-__all__ = ["BlockFP8", "MXFP4", "QuantizedWeight", "Weight", "concat_rows", "dequantized", "stack", "weight_format"]
+__all__ = [
+    "BlockFP8",
+    "MXFP4",
+    "QuantizedWeight",
+    "Weight",
+    "concat_rows",
+    "dequantized",
+    "stack",
+    "weight_bytes",
+    "weight_format",
+]
 
 E8M0 = torch.float8_e8m0fnu
 MX_BLOCK = 32  # MXFP4's scale block along K
@@ -154,6 +164,15 @@ Weight = torch.Tensor | BlockFP8 | MXFP4
 def weight_format(weight: Weight) -> str:
     """ "fp8_block", "mxfp4", or the dense tensor's dtype name ("bfloat16", ...)."""
     return weight.format if isinstance(weight, (BlockFP8, MXFP4)) else str(weight.dtype).removeprefix("torch.")
+
+
+def weight_bytes(weights) -> dict[str, int]:
+    """Bytes held by format ("mxfp4", "fp8_block" with their scales; dense tensors by dtype), largest first."""
+    totals: dict[str, int] = {}
+    for w in weights:
+        nbytes = w.nbytes if isinstance(w, (BlockFP8, MXFP4)) else w.numel() * w.element_size()
+        totals[weight_format(w)] = totals.get(weight_format(w), 0) + nbytes
+    return dict(sorted(totals.items(), key=lambda item: -item[1]))
 
 
 def dequantized(weight: Weight, dtype: torch.dtype) -> torch.Tensor:

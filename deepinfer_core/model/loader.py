@@ -24,7 +24,7 @@ import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
-from deepinfer_core.backend.weight_formats import MXFP4, BlockFP8
+from deepinfer_core.backend.weight_formats import MXFP4, BlockFP8, weight_bytes
 from deepinfer_core.errors import CheckpointError
 from deepinfer_core.model.quantized import Quantization, is_quantized, read_quantized, scale_names
 
@@ -213,8 +213,17 @@ def load_tensors(
             tensors[name] = tensor.to(torch.float32 if keep else dtype)
             bar.update()
     bar.close()
+    sizes = ", ".join(f"{_size(n)} {fmt}" for fmt, n in weight_bytes(tensors.values()).items())
+    log.info("weights read from %s: %s", path, sizes or "none")
     read = {stored.name for stored in where.values()}
     unused = [n for n in files if n not in read and not n.endswith(("_scale_inv", ".scale"))]
     if unused:
         log.debug("skipped %d checkpoint tensors the model does not use (e.g. %s)", len(unused), unused[0])
     return tensors
+
+
+def _size(nbytes: int) -> str:
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.2f} {unit}"
+    return f"{nbytes} B"

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
+import re
 
 import pytest
 import torch
@@ -168,3 +170,17 @@ def test_checkpoints_in_formats_deepinfer_does_not_read_are_refused_by_name(v4_p
     path = _rewrite(v4_pair[0], tmp_path / "bad", edit, config)
     with pytest.raises(CheckpointError, match=match):
         LLM(model=str(path), backend=backends(torch.float32), progress=False, num_kv_blocks=64)
+
+
+def test_loading_logs_the_weight_bytes_by_format(v4_pair, backends, caplog):  # noqa: F811
+    """What `deepinfer serve --model DIR` prints at start-up: the bytes read, by the format they are held in."""
+    with caplog.at_level(logging.INFO, logger="deepinfer_core.model.loader"):
+        llm = LLM(model=str(v4_pair[0]), backend=taking(backends(torch.float32), "fp8_block", "mxfp4"), progress=False,
+                  num_kv_blocks=64)  # fmt: skip
+    line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("weights read from"))
+    assert _weights_held(llm.model) == {MXFP4, BlockFP8}
+    sizes = dict((fmt, amount) for amount, fmt in re.findall(r"([\d.]+ [KMG]?i?B) (\w+)", line))
+    assert set(sizes) == {"mxfp4", "fp8_block", "float32", "int64"}, line
+    experts = load_file(str(v4_pair[0] / "model.safetensors"))
+    fp4_bytes = sum(t.numel() * t.element_size() for n, t in experts.items() if ".ffn.experts." in n)
+    assert sizes["mxfp4"] == f"{fp4_bytes / 1024:.2f} KiB"  # packed codes and their E8M0 scales, as stored
