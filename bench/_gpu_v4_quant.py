@@ -21,7 +21,7 @@ from deepinfer_core.backend.resolve import resolve_backend
 from deepinfer_core.backend.weight_formats import MXFP4, BlockFP8, dequantized, weight_bytes
 from deepinfer_core.model.deepseek_v4 import QUANTIZED_WEIGHTS_V4
 
-__all__ = ["MXFP4_BYTES_PER_WEIGHT", "fp4_sizes", "quantized_systems", "quantized_summary"]
+__all__ = ["MXFP4_BYTES_PER_WEIGHT", "fp4_sizes", "quant_backend", "quantized_systems", "quantized_summary"]
 
 FP4_EXPERTS = QUANTIZED_WEIGHTS_V4["mxfp4"]
 FP8_PROJECTIONS = re.compile(r"(\.attn\.(wq_a|wq_b|wkv|wo_b|indexer\.wq_b)|\.ffn\.shared_experts\.w[123])\.weight$")
@@ -34,19 +34,25 @@ def _quantize(weights: dict, pattern: re.Pattern, quantize) -> dict:
         return {name: quantize(w.float()) if pattern.search(name) else w for name, w in weights.items()}
 
 
+def quant_backend(entry, dtype: torch.dtype):
+    """-> (a backend of its own for a quantized model, None), or (None, why not)."""
+    missing = [f for f in ("mxfp4", "fp8_block") if f not in entry.capabilities.weight_formats]
+    if missing:
+        return None, f"backend {entry.name} does not take {', '.join(missing)} weights (a loader dequantizes them)"
+    return resolve_backend(entry, dtype=dtype), None
+
+
 def quantized_systems(family, cfg, weights: dict, entry, dtype: torch.dtype, engine) -> tuple[dict, dict]:
     """-> ({system: Ours}, notes) for the three models above, or ({}, why not)."""
-    formats = entry.capabilities.weight_formats
-    missing = [f for f in ("mxfp4", "fp8_block") if f not in formats]
-    if missing:
-        return {}, {"reason": f"backend {entry.name} does not take {', '.join(missing)} weights"}
+    if quant_backend(entry, dtype)[0] is None:
+        return {}, {"reason": quant_backend(entry, dtype)[1]}
     block = (128, 128) if family.name == "v4" else (32, 32)
     fp4 = _quantize(weights, FP4_EXPERTS, MXFP4.quantize)
     twin = {name: dequantized(w, dtype) for name, w in fp4.items()}
     fp8 = _quantize(weights, FP8_PROJECTIONS, lambda w: BlockFP8.quantize(w, block, "e8m0"))
     systems, notes = {}, {"fp8_block": list(block), "weight_bytes_by_format": {}}
     for name, held in (("ours_fp4_experts", fp4), ("ours_fp4_dequantized", twin), ("ours_fp8_projections", fp8)):
-        backend = resolve_backend(entry, dtype=dtype)
+        backend = quant_backend(entry, dtype)[0]
         notes["weight_bytes_by_format"][name] = weight_bytes(held.values())
         systems[name] = Ours(family.model(cfg, held, backend), backend, engine)
     notes["weight_bytes_by_format"]["ours_default"] = weight_bytes(weights.values())

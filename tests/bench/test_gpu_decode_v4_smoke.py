@@ -108,3 +108,42 @@ def test_gpu_decode_v4_skip_ours_bounds_from_the_declared_caches(tmp_path):
     report = _run(tmp_path, "v4", "--skip-ours")
     _check_complete(report, "v4", {"hf"})
     assert report["backend"] is None and report["cache"]["specs_from"].startswith("meta declarations")
+
+
+@pytest.mark.parametrize("model", ["v4", "v41"])
+def test_gpu_decode_measures_the_released_weight_formats(tmp_path, monkeypatch, model):
+    """--quantized end to end on the CPU: the cpu backend, declaring mxfp4 and fp8_block (its ops dequantize on
+    the fly): FP4-expert, dequantized-twin and FP8-projection models measured, the FP4 model against its own
+    bound, greedy agreement of the FP4 model with its dequantized twin reported."""
+    import dataclasses
+    import importlib
+
+    from deepinfer_core.backend.resolve import resolve_backend
+
+    monkeypatch.syspath_prepend(str(SCRIPT.parent))
+    gpu_decode, quant = importlib.import_module("gpu_decode"), importlib.import_module("_gpu_v4_quant")
+
+    def capable(entry, dtype):
+        backend = resolve_backend(entry, dtype=dtype)
+        formats = dataclasses.replace(backend.capabilities, weight_formats=("fp8_block", "mxfp4"))
+        return dataclasses.replace(backend, capabilities=formats), None
+
+    monkeypatch.setattr(quant, "quant_backend", capable)
+    out = tmp_path / "q.json"
+    args = ["--tiny", "--model", model, "--accelerator", "cpu", "--out", str(out), "--plot", str(tmp_path / "q.png")]
+    assert gpu_decode.main([*args, "--skip-hf", "--skip-batch-invariant", "--prefill-repeats", "1", "--quantized"]) == 0
+    report = json.loads(out.read_text())
+    quantized = report["quantized"]
+    assert quantized["measured"] is True
+    held = quantized["weight_bytes_by_format"]
+    assert "mxfp4" in held["ours_fp4_experts"] and "fp8_block" in held["ours_fp8_projections"]
+    assert "mxfp4" not in held["ours_fp4_dequantized"] and "mxfp4" not in held["ours_default"]
+    for b in map(str, report["workload"]["batches"]):
+        result = report["decode"]["ours_fp4_experts"][b]
+        own = report["bound"]["decode_fp4_experts"][b]
+        assert own["weight_bytes"] < report["bound"]["decode"][b]["weight_bytes"]  # 4.25-bit experts
+        assert result["fraction_of_own_bound"] == pytest.approx(own["bound_ms"] / result["ms_per_step"])
+        assert quantized["fp4_experts_speedup_vs_bf16_experts"][b] > 0
+        assert quantized["fp8_projections_speedup_vs_bf16"][b] > 0
+        # float32 here, ops dequantizing exactly: the FP4-held model computes its twin's values
+        assert quantized["token_match_fp4_vs_dequantized"][b]["identical_token_fraction"] == 1.0
