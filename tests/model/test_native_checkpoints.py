@@ -184,3 +184,16 @@ def test_loading_logs_the_weight_bytes_by_format(v4_pair, backends, caplog):  # 
     experts = load_file(str(v4_pair[0] / "model.safetensors"))
     fp4_bytes = sum(t.numel() * t.element_size() for n, t in experts.items() if ".ffn.experts." in n)
     assert sizes["mxfp4"] == f"{fp4_bytes / 1024:.2f} KiB"  # packed codes and their E8M0 scales, as stored
+
+
+def test_an_int32_hash_table_routes_as_the_int64_one(v4_pair, tmp_path, backends):  # noqa: F811
+    """tid2eid is int64 in the released files and an int32 parameter in DeepSeek's reference code: either loads."""
+
+    def narrow(tensors):
+        for name in [n for n in tensors if n.endswith("tid2eid")]:
+            tensors[name] = tensors[name].to(torch.int32)
+
+    path = _rewrite(v4_pair[0], tmp_path / "int32", narrow)
+    assert load_file(str(path / "model.safetensors"))["layers.0.ffn.gate.tid2eid"].dtype == torch.int32
+    cpu = backends(torch.float32)
+    assert run(path, cpu)[1] == run(v4_pair[1], cpu)[1]
