@@ -21,7 +21,13 @@ from deepinfer_core.model.deepseek_v4 import (
     DeepseekV4Model,
     expected_weights_v4,
 )
-from deepinfer_core.model.deepseek_v41 import FLOAT32_WEIGHTS_V41, DeepseekV41Model, expected_weights_v41, token_map_for
+from deepinfer_core.model.deepseek_v41 import (
+    FLOAT32_WEIGHTS_V41,
+    DeepseekV41Model,
+    engram_tables_kept,
+    expected_weights_v41,
+    token_map_for,
+)
 from deepinfer_core.model.dspark import load_dspark
 from deepinfer_core.model.loader import CheckpointError, kept_formats, load_tensors, read_config
 from deepinfer_core.model.mtp import MTPDrafter, mtp_weight_shapes
@@ -77,7 +83,7 @@ def load_deepseek_v41(
         backend.dtype,
         FLOAT32_WEIGHTS_V41,
         progress,
-        kept_formats(backend.capabilities.weight_formats, QUANTIZED_WEIGHTS_V4),
+        engram_tables_kept(kept_formats(backend.capabilities.weight_formats, QUANTIZED_WEIGHTS_V4)),
         spellings=v41_spellings(config),  # ours, DeepSeek-native or newer-transformers names
     )
     return DeepseekV41Model(config, weights, backend, token_map, engram_placement)

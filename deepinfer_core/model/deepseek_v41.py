@@ -29,6 +29,7 @@ from deepinfer_core.model.v41_skip import layer_starts
 __all__ = [
     "DeepseekV41Model",
     "FLOAT32_WEIGHTS_V41",
+    "engram_tables_kept",
     "expected_weights_v41",
     "hc_mixes",
     "moe_shapes",
@@ -40,6 +41,15 @@ __all__ = [
 # sinks, routers and their biases.
 FLOAT32_WEIGHTS_V41 = re.compile(r"(\.hc_\w+|\.attn_sink|\.ffn\.gate\.(weight|bias))$")
 _DENSE_ENGRAM = "engram.embed.weight"
+_ENGRAM_TABLE = re.compile(r"\.engram\.embed\.weight$")
+
+
+def engram_tables_kept(keep: dict) -> dict:
+    """The loader's keep_quantized plus the Engram tables in FP8, whatever the backend takes: they are only ever
+    gathered (EngramTables dequantizes the rows a step reads), never an op's weight."""
+    fp8 = keep.get("fp8_block")
+    pattern = _ENGRAM_TABLE if fp8 is None else re.compile(f"(?:{fp8.pattern})|(?:{_ENGRAM_TABLE.pattern})")
+    return {**keep, "fp8_block": pattern}
 
 
 def window_attention_shapes(cfg: DeepseekV41Config, p: str) -> dict[str, tuple[int, ...]]:

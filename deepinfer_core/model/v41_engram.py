@@ -22,6 +22,7 @@ import torch
 
 from deepinfer_core.backend.resolve import ResolvedBackend
 from deepinfer_core.backend.types import DeviceFacts
+from deepinfer_core.backend.weight_formats import BlockFP8, weight_bytes
 from deepinfer_core.engine.transfer import host_staging
 from deepinfer_core.errors import DeepInferError
 from deepinfer_core.kv.layout import CacheKind, CacheSpec
@@ -154,33 +155,57 @@ class NgramHasher:
 
 
 class EngramTables:
-    """Every engram layer's table, on the device or in host memory; gathers the rows a step's hashes address."""
+    """Every engram layer's table, on the device or in host memory; gathers the rows a step's hashes address.
 
-    def __init__(self, tables: list[torch.Tensor], device: torch.device, on_host: bool) -> None:
+    A table is dense [rows, engram_head_dim], or FP8 as released (ops.BlockFP8 with one E8M0 scale per 32
+    channels of a row: half the bytes of bf16), kept so: only the gathered rows are dequantized, to `dtype`,
+    exactly as dequantizing the whole table at load would give them."""
+
+    def __init__(self, tables: list, device: torch.device, on_host: bool, dtype: torch.dtype) -> None:
         self.tables = tables  # per engram layer [rows, engram_head_dim], host tensors when on_host
-        self.device, self.on_host = device, on_host
+        self.device, self.on_host, self.dtype = device, on_host, dtype
 
     @classmethod
-    def place(cls, tables: list[torch.Tensor], requested: str, backend: ResolvedBackend) -> EngramTables:
+    def place(cls, tables: list, requested: str, backend: ResolvedBackend) -> EngramTables:
         """The loaded host `tables` where `requested` (one of ENGRAM_PLACEMENTS) puts them on `backend`."""
-        table_bytes = sum(t.numel() * t.element_size() for t in tables)
+        table_bytes = sum(weight_bytes(tables).values())
         where = engram_placement(requested, table_bytes, backend.device)
         log.info("engram tables (%.2f GiB): %s memory (engram_placement %s)", table_bytes / (1 << 30), where, requested)
         device = backend.torch_device
         on_host = where == "host"
-        return cls(tables if on_host else [t.to(device) for t in tables], device, on_host)
+        return cls(tables if on_host else [t.to(device) for t in tables], device, on_host, backend.dtype)
 
     def gather(self, hash_ids: torch.Tensor) -> list[torch.Tensor] | torch.Tensor:
         """hash_ids [T, L, columns] -> per engram layer, its rows [T, columns x engram_head_dim] on the device."""
         if not self.on_host:
-            return [table[hash_ids[:, k]].flatten(1) for k, table in enumerate(self.tables)]
+            return [_rows(table, hash_ids[:, k], self.dtype).flatten(1) for k, table in enumerate(self.tables)]
         ids = hash_ids.cpu()  # waits for the hashes (the future prefetch would not)
         tokens, layers, columns = ids.shape
-        width = self.tables[0].shape[1]
-        staged = host_staging((layers, tokens, columns * width), self.tables[0].dtype, self.device)
-        for k, table in enumerate(self.tables):
-            torch.index_select(table, 0, ids[:, k].flatten(), out=staged[k].view(tokens * columns, width))
-        return staged.to(self.device, non_blocking=True)  # [L, T, columns x engram_head_dim], one copy
+        staged = [_stage(table, ids[:, k].flatten(), self.device) for k, table in enumerate(self.tables)]
+        rows = [_rows(table, None, self.dtype) for table in staged]  # on the device, [T x columns, width]
+        return torch.stack(rows).view(layers, tokens, -1)  # [L, T, columns x engram_head_dim]
+
+
+def _rows(table, ids: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """The table's rows `ids` (all of them for None) in `dtype`: FP8 rows dequantized, dense ones as they are."""
+    if isinstance(table, BlockFP8):
+        picked = table if ids is None else BlockFP8(table.weight[ids], table.scale[ids], table.block)
+        return picked.dequantize(dtype)
+    return (table if ids is None else table[ids]).to(dtype)
+
+
+def _stage(table, ids: torch.Tensor, device: torch.device):
+    """Host table rows `ids` copied to `device` through pinned staging buffers (FP8 tables: values and scales)."""
+
+    def copy(values: torch.Tensor) -> torch.Tensor:
+        raw = values.view(torch.uint8) if values.element_size() == 1 else values  # index_select on bytes
+        staged = host_staging((ids.numel(), raw.shape[1]), raw.dtype, device)
+        torch.index_select(raw, 0, ids, out=staged)
+        return staged.to(device, non_blocking=True).view(values.dtype)
+
+    if isinstance(table, BlockFP8):
+        return BlockFP8(copy(table.weight), copy(table.scale), table.block)
+    return copy(table)
 
 
 class EngramLayer:

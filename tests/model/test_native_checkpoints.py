@@ -55,8 +55,8 @@ def taking(backend, *formats):
     return dataclasses.replace(backend, capabilities=dataclasses.replace(backend.capabilities, weight_formats=formats))
 
 
-def run(path, backend):
-    llm = LLM(model=str(path), backend=backend, progress=False, num_kv_blocks=64)
+def run(path, backend, **kwargs):
+    llm = LLM(model=str(path), backend=backend, progress=False, num_kv_blocks=64, **kwargs)
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=5)
     outputs = [o.outputs[0] for o in llm.generate(PROMPTS, params, use_tqdm=False)]
     return llm, [(o.token_ids, o.top_logprobs) for o in outputs]
@@ -197,3 +197,15 @@ def test_an_int32_hash_table_routes_as_the_int64_one(v4_pair, tmp_path, backends
     assert load_file(str(path / "model.safetensors"))["layers.0.ffn.gate.tid2eid"].dtype == torch.int32
     cpu = backends(torch.float32)
     assert run(path, cpu)[1] == run(v4_pair[1], cpu)[1]
+
+
+@pytest.mark.parametrize("placement", ["device", "host"])
+def test_fp8_engram_tables_stay_fp8_and_give_the_dequantized_rows(v41_pair, backends, placement):  # noqa: F811
+    """V4.1's Engram tables stay FP8 (half bf16's bytes) on any backend, in either placement; only the rows a step
+    gathers are dequantized, to exactly what dequantizing the whole table at load gives."""
+    cpu = backends(torch.float32)
+    llm, got = run(v41_pair[0], cpu, engram_placement=placement)
+    tables = llm.model.engram_tables
+    assert tables.on_host == (placement == "host")
+    assert all(isinstance(t, BlockFP8) and t.block == (1, 32) for t in tables.tables)
+    assert got == run(v41_pair[1], cpu, engram_placement=placement)[1]
