@@ -61,11 +61,11 @@ class RecordedLimits(Recorded):
         return self._inner.moe_route(logits, config, bias, **kwargs)
 
 
-def generate(path, backend) -> list:
+def generate(path, backend, prompts=PROMPTS, tokens=NEW_TOKENS) -> list:
     llm = LLM(model=path, backend=backend, num_kv_blocks=80, max_num_seqs=2, max_num_batched_tokens=16, progress=False)
     g = torch.Generator().manual_seed(7)
-    prompts = [torch.randint(2, 512, (n,), generator=g).tolist() for n in PROMPTS]
-    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=5)
+    prompts = [torch.randint(2, 512, (n,), generator=g).tolist() for n in prompts]
+    params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True, logprobs=5)
     return [o.outputs[0] for o in llm.generate(prompts, params)]
 
 
@@ -95,3 +95,41 @@ def test_tiny_v4_generates_as_the_reference(tiny_v4, one_thread):
             torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-4)  # a log-softmax over 512 logits
             differs |= not torch.equal(ours, ref)
     assert differs, "bit for bit the reference's logprobs: were the Triton kernels called at all?"
+
+
+class RecordedFormats(Recorded):
+    """Also records the formats of the weights `linear` and `expert_ffn` were given."""
+
+    def linear(self, x, weight, bias=None):
+        self._called.add(f"linear:{type(weight).__name__}")
+        return self._inner.linear(x, weight, bias)
+
+    def expert_ffn(self, x, counts, w13, w2, **kwargs):
+        self._called.add(f"expert_ffn:{type(w13).__name__}")
+        return self._inner.expert_ffn(x, counts, w13, w2, **kwargs)
+
+
+def test_native_v4_checkpoint_runs_its_fp4_and_fp8_weights_through_the_kernels(tmp_path, one_thread):
+    """DeepSeek's native layout and formats (model/native_export.py): the nvidia op table, declaring fp8_block and
+    mxfp4, gets the routed experts as MXFP4 and the projections as E8M0 FP8 and generates what the cpu reference
+    generates from the float twin."""
+    from deepinfer_conformance.tiny_v4 import TINY_V4, tiny_v4_weights
+    from deepinfer_core.model.native_export import write_float_twin, write_native
+
+    twin = write_float_twin(
+        tmp_path / "twin", TINY_V4, write_native(tmp_path / "native", TINY_V4, tiny_v4_weights(), "v4")
+    )
+    cpu = resolve_backend(select_backend(discover(), "cpu"), dtype=torch.float32, block_size=16)
+    called: set[str] = set()
+    formats = dataclasses.replace(cpu.capabilities, weight_formats=("fp8_block", "mxfp4"))
+    nvidia = dataclasses.replace(cpu, ops=RecordedFormats(NvidiaOps(), called), capabilities=formats,
+                                 attention=NvidiaAttention(cpu.kv_layout))  # fmt: skip
+    got = generate(tmp_path / "native", nvidia, prompts=(3, 17), tokens=6)
+    want = generate(twin, cpu, prompts=(3, 17), tokens=6)
+    assert {"expert_ffn:MXFP4", "linear:BlockFP8"} <= called, called
+    for mine, theirs in zip(got, want):
+        assert mine.token_ids == theirs.token_ids
+        for ours, ref in zip(mine.top_logprobs, theirs.top_logprobs):
+            assert list(ours) == list(ref)
+            torch.testing.assert_close(torch.tensor(list(ours.values())), torch.tensor(list(ref.values())),
+                                       rtol=1e-5, atol=1e-4)  # fmt: skip
