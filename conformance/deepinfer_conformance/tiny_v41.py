@@ -11,7 +11,15 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["TINY_V41", "VOCAB", "tiny_v41_config", "tiny_v41_weights", "write_tokenizer"]
+__all__ = [
+    "SCHEDULE",
+    "TINY_V41",
+    "VOCAB",
+    "tiny_v41_config",
+    "tiny_v41_weights",
+    "with_engram_sizes",
+    "write_tokenizer",
+]
 
 VOCAB = 512
 TINY_V41 = {
@@ -68,16 +76,33 @@ def write_tokenizer(folder: Path) -> Path:
     return folder
 
 
-def tiny_v41_config(tokenizer_folder: Path) -> dict:
-    """TINY_V41 with the Engram table sizes and the compressed vocabulary of the tokenizer in the folder."""
+SCHEDULE = (
+    "num_hidden_layers",
+    "compress_ratios",
+    "kv_source_layer_ids",
+    "index_source_layer_ids",
+    "candidate_source_layer_id",
+    "engram_layer_ids",
+)  # fmt: skip  (TINY_V41's layer schedule)
+
+
+def with_engram_sizes(raw: dict, tokenizer_json: Path) -> dict:
+    """`raw` with the Engram table sizes its layers imply and the tokenizer's compressed vocabulary size."""
     from deepinfer_core.model.engram_vocab import compressed_vocabulary, engram_primes
 
-    raw = dict(TINY_V41, engram_compressed_vocab_size=compressed_vocabulary(tokenizer_folder / "tokenizer.json")[1])
+    if not raw.get("engram_layer_ids"):
+        return dict(raw)
+    raw = dict(raw, engram_compressed_vocab_size=compressed_vocabulary(tokenizer_json)[1])
     primes = engram_primes(
         len(raw["engram_layer_ids"]), raw["engram_max_ngram_size"], raw["engram_n_heads"], raw["engram_vocab_size"]
     )
     raw["engram_num_embeddings"] = [sum(map(sum, layer)) for layer in primes]
     return raw
+
+
+def tiny_v41_config(tokenizer_folder: Path) -> dict:
+    """TINY_V41 with the Engram table sizes and the compressed vocabulary of the tokenizer in the folder."""
+    return with_engram_sizes(TINY_V41, tokenizer_folder / "tokenizer.json")
 
 
 def tiny_v41_weights(raw: dict, seed: int = 5) -> dict[str, torch.Tensor]:
