@@ -17,19 +17,11 @@ from deepinfer_core.engine.block_manager import BOUNDED_REPLAY_TOKENS
 from deepinfer_core.engine.llm import LLM
 from deepinfer_core.errors import DeepInferError
 from deepinfer_core.sampling.params import SamplingParams
-from tests.model.v41_checkpoints import write_checkpoint
+from tests.model.v41_checkpoints import SCHEDULES, write_checkpoint
 
 BLOCK = 16
 GREEDY = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, logprobs=2)
-DEEP_V41 = {
-    "num_hidden_layers": 6,
-    "compress_ratios": [0, 2, 2, 1, 1, 1],
-    "kv_source_layer_ids": [1, 3],
-    "index_source_layer_ids": [1, 3, 4],
-    "candidate_source_layer_id": 3,
-    "engram_layer_ids": [0, 4],
-    "sliding_window": 32,
-}
+DEEP_V41 = {**SCHEDULES["groups_and_candidates"], "sliding_window": 32}
 HIT = 256  # the shared prefix: 16 full blocks, more than the exact replay
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny tensors: see tests/conftest.py
