@@ -209,3 +209,17 @@ def test_fp8_engram_tables_stay_fp8_and_give_the_dequantized_rows(v41_pair, back
     assert tables.on_host == (placement == "host")
     assert all(isinstance(t, BlockFP8) and t.block == (1, 32) for t in tables.tables)
     assert got == run(v41_pair[1], cpu, engram_placement=placement)[1]
+
+
+def test_a_sharded_native_checkpoint_finds_scales_in_other_shards(v4_pair, tmp_path, backends):  # noqa: F811
+    """Shards with an index (as released): a weight's `.scale` may sit in another shard than the weight."""
+    from tests.model.test_loader import INDEX_FILE, write_checkpoint
+
+    tensors = load_file(str(v4_pair[0] / "model.safetensors"))
+    config = json.loads((v4_pair[0] / "config.json").read_text())
+    path = write_checkpoint(tmp_path / "sharded", config, tensors, shards=3)
+    weight_map = json.loads((path / INDEX_FILE).read_text())["weight_map"]
+    expert = "layers.1.ffn.experts.0.w1"
+    assert weight_map[f"{expert}.weight"] != weight_map[f"{expert}.scale"]
+    cpu = backends(torch.float32)
+    assert run(path, taking(cpu, "fp8_block", "mxfp4"))[1] == run(v4_pair[1], cpu)[1]
