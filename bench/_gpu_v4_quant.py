@@ -6,7 +6,8 @@ Three more models of ours, each on a backend of its own, built from the benchmar
 - ours_fp4_dequantized: the same model with those experts dequantized back to bf16 (what a loader gives a backend
   without the format): the "bf16 experts on the same model" both for speed and for greedy agreement;
 - ours_fp8_projections: the projections DeepSeek ships in FP8 (attention's wq_a / wq_b / wkv / wo_b, the indexer's
-  wq_b, shared experts) as FP8 with E8M0 scales in the release's blocks (V4 128 x 128, V4.1 32 x 32), experts bf16.
+  wq_b, shared experts) as FP8 with E8M0 scales in the release's blocks (V4 128 x 128, V4.1 32 x 32), experts bf16;
+- ours_native: both, as the released checkpoint holds them.
 The FP4 model's own decode bound counts its expert bytes (4.25 bits a weight) instead of bf16's.
 """
 
@@ -50,8 +51,15 @@ def quantized_systems(family, cfg, weights: dict, entry, dtype: torch.dtype, eng
     fp4 = _quantize(weights, FP4_EXPERTS, MXFP4.quantize)
     twin = {name: dequantized(w, dtype) for name, w in fp4.items()}
     fp8 = _quantize(weights, FP8_PROJECTIONS, lambda w: BlockFP8.quantize(w, block, "e8m0"))
+    native = {name: fp8[name] if FP8_PROJECTIONS.search(name) else w for name, w in fp4.items()}
     systems, notes = {}, {"fp8_block": list(block), "weight_bytes_by_format": {}}
-    for name, held in (("ours_fp4_experts", fp4), ("ours_fp4_dequantized", twin), ("ours_fp8_projections", fp8)):
+    held_by = {
+        "ours_fp4_experts": fp4,
+        "ours_fp4_dequantized": twin,
+        "ours_fp8_projections": fp8,
+        "ours_native": native,
+    }
+    for name, held in held_by.items():
         backend = quant_backend(entry, dtype)[0]
         notes["weight_bytes_by_format"][name] = weight_bytes(held.values())
         systems[name] = Ours(family.model(cfg, held, backend), backend, engine)
@@ -69,7 +77,11 @@ def quantized_summary(decode: dict, token_match) -> dict:
     """Speed ratios and greedy agreement of the quantized models (before the tokens are dropped from `decode`)."""
     fp4, twin = decode.get("ours_fp4_experts", {}), decode.get("ours_fp4_dequantized", {})
     fp8, default = decode.get("ours_fp8_projections", {}), decode.get("ours_default", {})
+    native = decode.get("ours_native", {})
     return {
+        "native_speedup_vs_bf16": {
+            b: default[b]["ms_per_step"] / r["ms_per_step"] for b, r in native.items() if b in default
+        },  # fmt: skip
         "fp4_experts_speedup_vs_bf16_experts": {
             b: twin[b]["ms_per_step"] / r["ms_per_step"] for b, r in fp4.items() if b in twin
         },  # fmt: skip

@@ -138,6 +138,7 @@ def test_gpu_decode_measures_the_released_weight_formats(tmp_path, monkeypatch, 
     held = quantized["weight_bytes_by_format"]
     assert "mxfp4" in held["ours_fp4_experts"] and "fp8_block" in held["ours_fp8_projections"]
     assert "mxfp4" not in held["ours_fp4_dequantized"] and "mxfp4" not in held["ours_default"]
+    assert {"mxfp4", "fp8_block"} <= set(held["ours_native"])
     for b in map(str, report["workload"]["batches"]):
         result = report["decode"]["ours_fp4_experts"][b]
         own = report["bound"]["decode_fp4_experts"][b]
@@ -145,5 +146,6 @@ def test_gpu_decode_measures_the_released_weight_formats(tmp_path, monkeypatch, 
         assert result["fraction_of_own_bound"] == pytest.approx(own["bound_ms"] / result["ms_per_step"])
         assert quantized["fp4_experts_speedup_vs_bf16_experts"][b] > 0
         assert quantized["fp8_projections_speedup_vs_bf16"][b] > 0
+        assert quantized["native_speedup_vs_bf16"][b] > 0
         # float32 here, ops dequantizing exactly: the FP4-held model computes its twin's values
         assert quantized["token_match_fp4_vs_dequantized"][b]["identical_token_fraction"] == 1.0
