@@ -23,6 +23,7 @@ from typing import Protocol, runtime_checkable
 import torch
 
 from deepinfer_core.engine.transfer import to_device
+from deepinfer_core.sampling.bitmask import apply_token_bitmask
 from deepinfer_core.sampling.noise import gumbel_noise
 from deepinfer_core.sampling.params import SamplingParams
 
@@ -128,6 +129,9 @@ class SampleOutput:
 
 @runtime_checkable
 class Sampler(Protocol):
+    """Chooses tokens. Optional: `apply_token_bitmask(logits, bitmask) -> logits`, structured outputs' mask with
+    sampling/bitmask.py's semantics (it may write into `logits`); without it core applies the definition."""
+
     def sample(self, logits: torch.Tensor, batch: SamplingBatch) -> SampleOutput:
         """Choose one token per row of logits [B, V] (float32) by the semantics of this module."""
         ...
@@ -176,11 +180,19 @@ class TorchSampler:
 
     noise: the Gumbel noise function (seeds [B], steps [B], vocab size) -> [B, V] float32; a backend may
     pass a kernel of its own, which must return the bits of `gumbel_noise` (the conformance suite checks
-    that seeded tokens match the reference's).
+    that seeded tokens match the reference's). bitmask: likewise a kernel for `apply_token_bitmask`.
     """
 
-    def __init__(self, noise: Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor] = gumbel_noise) -> None:
-        self.noise = noise
+    def __init__(
+        self,
+        noise: Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor] = gumbel_noise,
+        bitmask: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = apply_token_bitmask,
+    ) -> None:
+        self.noise, self._bitmask = noise, bitmask
+
+    def apply_token_bitmask(self, logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+        """Structured outputs' mask (sampling/bitmask.py): `bitmask`, a backend's kernel of the same semantics."""
+        return self._bitmask(logits, bitmask)
 
     def sample(self, logits: torch.Tensor, batch: SamplingBatch) -> SampleOutput:
         logits = logits.float()

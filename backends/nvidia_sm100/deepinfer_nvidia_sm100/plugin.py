@@ -146,6 +146,8 @@ def deepinfer_backend_step_timer(device):
 @hookimpl
 def deepinfer_backend_sampler():
     from deepinfer_core.sampling.sampler import TorchSampler
+    from deepinfer_nvidia_sm100.kernels.bitmask import apply_token_bitmask
     from deepinfer_nvidia_sm100.kernels.noise import gumbel_noise
 
-    return TorchSampler(noise=gumbel_noise)  # core's semantics, the noise from one fused kernel
+    # core's semantics; the noise from one fused kernel, structured outputs' token mask from another
+    return TorchSampler(noise=gumbel_noise, bitmask=apply_token_bitmask)

@@ -77,3 +77,19 @@ class RowwiseSampler:
             chosen[b] = logprobs[token]
             top_lp[b], top_ids[b] = logprobs.topk(n)
         return SampleOutput(token_ids=token_ids, logprobs=chosen, top_token_ids=top_ids, top_logprobs=top_lp)
+
+    def apply_token_bitmask(self, logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+        """Structured outputs' mask (core's semantics), one row at a time: a token whose bit is clear in its row's
+        int32 words, or past them, gets -inf; the other logits keep their bits. Returns a new tensor."""
+        rows, vocab = logits.shape
+        if bitmask.dtype != torch.int32 or bitmask.dim() != 2 or bitmask.shape[0] != rows:
+            raise ValueError(f"a token bitmask is int32 [{rows}, words]; got {bitmask.dtype} {tuple(bitmask.shape)}")
+        out = logits.clone()
+        tokens = torch.arange(vocab)
+        for b in range(rows):
+            words = bitmask[b]  # [W]
+            inside = tokens < 32 * words.shape[0]
+            word = words[(tokens // 32).clamp(max=words.shape[0] - 1)]
+            allowed = inside & (((word >> (tokens % 32).to(torch.int32)) & 1) == 1)
+            out[b, ~allowed] = float("-inf")
+        return out

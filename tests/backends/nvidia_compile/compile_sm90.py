@@ -166,7 +166,7 @@ def launch_v41(dtype: torch.dtype) -> None:
 def launch_everything() -> None:
     from deepinfer_core.backend.ops import MXFP4, AttentionMetadata, BlockFP8, RoutingConfig
     from deepinfer_core.kv.layout import CacheKind, CacheSpec
-    from deepinfer_nvidia_sm100.kernels import attention, elementwise, gemm, hyper, moe, noise, routing
+    from deepinfer_nvidia_sm100.kernels import attention, bitmask, elementwise, gemm, hyper, moe, noise, routing
 
     for dtype in (torch.bfloat16, torch.float32):
         x = torch.randn(8, 2048).to(dtype)
@@ -232,6 +232,8 @@ def launch_everything() -> None:
         expert_ids = torch.stack([torch.randperm(256)[:6] for _ in range(5)]).to(ids_dtype)
         routing.moe_route(torch.randn(5, 256), config, torch.zeros(256), expert_ids)
     noise.gumbel_noise(torch.tensor([1, 2]), torch.tensor([0, 5]), 102400)
+    for dtype in (torch.float32, torch.bfloat16):  # structured outputs' token mask over DeepSeek's vocabulary
+        bitmask.launch(torch.randn(4, 129280).to(dtype), torch.full((4, 4040), -1, dtype=torch.int32))
 
 
 if __name__ == "__main__":
