@@ -30,6 +30,7 @@ def test_all_kernels_compile_for_sm90():
         *("_sparse_attention_kernel", "_sparse_attention_split_kernel", "_merge_splits_kernel"),
         "_index_scores_kernel",
         "_block_attention_kernel",
+        "_bitmask_kernel",  # structured outputs' token mask
     }
     assert kernels == expected, f"compiled {sorted(kernels)}"
     # DeepSeek-V4's specialisations: the swiglu limit in both activations, sqrtsoftplus scores, hash routing,
@@ -53,5 +54,11 @@ def test_all_kernels_compile_for_sm90():
         ("_sparse_attention_kernel", "('COMP_FMT', 3)"),
         ("_sparse_attention_split_kernel", "('COMP_FMT', 3)"),
         ("_index_scores_kernel", "('KEY_FMT', 2)"),
+        # DeepSeek's released weight formats in both GEMMs: E8M0 FP8 (V4's 128 and V4.1's 32 blocks), FP4 experts
+        ("_matmul_kernel", "('FORMAT', 2)"),
+        ("_matmul_kernel", "('QBK', 32)"),
+        ("_gate_up_kernel", "('FORMAT', 3)"),
+        ("_down_kernel", "('FORMAT', 3)"),
+        ("_gate_up_kernel", "('FORMAT', 2)"),
     ):
         assert any(v.startswith(kernel + " ") and flag in v for v in variants), f"{kernel} with {flag} not compiled"
