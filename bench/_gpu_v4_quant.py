@@ -1,6 +1,6 @@
 """gpu_decode.py --model v4 | v41 --quantized: the same random weights in the formats DeepSeek releases them in.
 
-Three more models of ours, each on a backend of its own, built from the benchmark's bf16 weights:
+Four more models of ours, each on a backend of its own, built from the benchmark's bf16 weights:
 - ours_fp4_experts: routed experts MXFP4 (e2m1 pairs + E8M0 per 32, model/native_export.py's quantizer), the rest
   as ours_default holds it;
 - ours_fp4_dequantized: the same model with those experts dequantized back to bf16 (what a loader gives a backend
@@ -13,8 +13,6 @@ The FP4 model's own decode bound counts its expert bytes (4.25 bits a weight) in
 
 from __future__ import annotations
 
-import re
-
 import torch
 from _gpu_runners import Ours
 
@@ -25,14 +23,18 @@ from deepinfer_core.model.deepseek_v4 import QUANTIZED_WEIGHTS_V4
 __all__ = ["MXFP4_BYTES_PER_WEIGHT", "fp4_sizes", "quant_backend", "quantized_systems", "quantized_summary"]
 
 FP4_EXPERTS = QUANTIZED_WEIGHTS_V4["mxfp4"]
-FP8_PROJECTIONS = re.compile(r"(\.attn\.(wq_a|wq_b|wkv|wo_b|indexer\.wq_b)|\.ffn\.shared_experts\.w[123])\.weight$")
+FP8_KEPT = QUANTIZED_WEIGHTS_V4["fp8_block"]  # the weights a model keeps FP8; the routed experts among them go FP4
 MXFP4_BYTES_PER_WEIGHT = 0.5 + 1 / 32  # a nibble, and one E8M0 byte per 32
 
 
-def _quantize(weights: dict, pattern: re.Pattern, quantize) -> dict:
-    """`weights` with every `pattern` match replaced by quantize(w) (on w's device); the others the same tensors."""
+def _fp8_projection(name: str) -> bool:
+    return bool(FP8_KEPT.search(name)) and not FP4_EXPERTS.search(name)
+
+
+def _quantize(weights: dict, chosen, quantize) -> dict:
+    """`weights` with every name `chosen` picks replaced by quantize(w) (on w's device); the others the same tensors."""
     with torch.no_grad():
-        return {name: quantize(w.float()) if pattern.search(name) else w for name, w in weights.items()}
+        return {name: quantize(w.float()) if chosen(name) else w for name, w in weights.items()}
 
 
 def quant_backend(entry, dtype: torch.dtype):
@@ -45,13 +47,14 @@ def quant_backend(entry, dtype: torch.dtype):
 
 def quantized_systems(family, cfg, weights: dict, entry, dtype: torch.dtype, engine) -> tuple[dict, dict]:
     """-> ({system: Ours}, notes) for the three models above, or ({}, why not)."""
-    if quant_backend(entry, dtype)[0] is None:
-        return {}, {"reason": quant_backend(entry, dtype)[1]}
+    first, reason = quant_backend(entry, dtype)
+    if first is None:
+        return {}, {"reason": reason}
     block = (128, 128) if family.name == "v4" else (32, 32)
-    fp4 = _quantize(weights, FP4_EXPERTS, MXFP4.quantize)
+    fp4 = _quantize(weights, FP4_EXPERTS.search, MXFP4.quantize)
     twin = {name: dequantized(w, dtype) for name, w in fp4.items()}
-    fp8 = _quantize(weights, FP8_PROJECTIONS, lambda w: BlockFP8.quantize(w, block, "e8m0"))
-    native = {name: fp8[name] if FP8_PROJECTIONS.search(name) else w for name, w in fp4.items()}
+    fp8 = _quantize(weights, _fp8_projection, lambda w: BlockFP8.quantize(w, block, "e8m0"))
+    native = {name: fp8[name] if _fp8_projection(name) else w for name, w in fp4.items()}
     systems, notes = {}, {"fp8_block": list(block), "weight_bytes_by_format": {}}
     held_by = {
         "ours_fp4_experts": fp4,
@@ -60,7 +63,7 @@ def quantized_systems(family, cfg, weights: dict, entry, dtype: torch.dtype, eng
         "ours_native": native,
     }
     for name, held in held_by.items():
-        backend = quant_backend(entry, dtype)[0]
+        backend = first if not systems else quant_backend(entry, dtype)[0]  # a backend of its own for each
         notes["weight_bytes_by_format"][name] = weight_bytes(held.values())
         systems[name] = Ours(family.model(cfg, held, backend), backend, engine)
     notes["weight_bytes_by_format"]["ours_default"] = weight_bytes(weights.values())
