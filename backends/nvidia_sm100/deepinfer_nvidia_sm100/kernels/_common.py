@@ -34,14 +34,3 @@ def mma(a, b, acc, F32: tl.constexpr):
         return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
     else:
         return tl.dot(a, b, acc)
-
-
-@triton.jit
-def weight_tile(ptrs, mask, scale_ptrs, scale_mask, dtype: tl.constexpr, SCALED: tl.constexpr):
-    """Load a [BK, BN] weight tile in `dtype`. SCALED: the tile is FP8 and `scale_ptrs` [BN] point at each
-    column's block scale for this K range; it is dequantized here, in registers (never in memory)."""
-    w = tl.load(ptrs, mask=mask, other=0.0)
-    if SCALED:
-        scale = tl.load(scale_ptrs, mask=scale_mask, other=0.0)
-        w = (w.to(tl.float32) * scale[None, :]).to(dtype)
-    return w

@@ -14,8 +14,8 @@ import triton.language as tl
 
 from deepinfer_core.backend.ops import MXFP4, BlockFP8
 from deepinfer_nvidia_sm100.kernels import quant
-from deepinfer_nvidia_sm100.kernels._common import INTERPRET, dot_in_float32, mma
-from deepinfer_nvidia_sm100.kernels.quant import check_tiles, weight_args, weight_tile
+from deepinfer_nvidia_sm100.kernels._common import INTERPRET, dot_in_float32
+from deepinfer_nvidia_sm100.kernels.quant import a_tile, check_tiles, finish, weight_args, weight_mma
 
 SM_COUNT_HINT = 132  # programs to aim for on one wave; H200 has 132 SMs (a fixed number: results must not vary by GPU)
 
@@ -31,17 +31,16 @@ def _matmul_kernel(
     num_n = tl.cdiv(N, BN)
     rm = (pid // num_n) * BM + tl.arange(0, BM)
     rn = (pid % num_n) * BN + tl.arange(0, BN)
-    rk = tl.arange(0, BK)
     k_lo = split * K_PER_SPLIT
     k_hi = tl.minimum(K, k_lo + K_PER_SPLIT)
     a_rows = a_ptr + batch * sa_b + rm[:, None].to(tl.int64) * sa_m
     b_base, scale_base = b_ptr + batch * sb_b, scale_ptr + batch * ss_b
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     for k in range(k_lo, k_hi, BK):
-        ks = k + rk
-        a = tl.load(a_rows + ks[None, :] * sa_k, mask=(rm[:, None] < M) & (ks[None, :] < k_hi), other=0.0)
-        b = weight_tile(b_base, sb_n, sb_k, rn, N, k, k_hi, scale_base, ss_n, ss_k, a.dtype, FORMAT, QBN, QBK, BK, BN)
-        acc = mma(a, b, acc, F32)
+        a, a_odd = a_tile(a_rows, sa_k, rm[:, None] < M, k, k_hi, FORMAT, BK)
+        acc = weight_mma(acc, a, a_odd, b_base, sb_n, sb_k, rn, N, k, k_hi, scale_base, ss_n, ss_k, F32, FORMAT, QBN,
+                         QBK, BK, BN)  # fmt: skip
+    acc = finish(acc, FORMAT)
     mask = (rm[:, None] < M) & (rn[None, :] < N)
     if SPLIT_K == 1:
         if HAS_BIAS:

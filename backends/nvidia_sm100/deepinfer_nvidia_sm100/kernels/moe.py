@@ -19,9 +19,18 @@ import torch
 import triton
 import triton.language as tl
 
-from deepinfer_nvidia_sm100.kernels._common import INTERPRET, dot_in_float32, mma, next_pow2
+from deepinfer_nvidia_sm100.kernels._common import INTERPRET, dot_in_float32, next_pow2
 from deepinfer_nvidia_sm100.kernels.elementwise import limit_in, silu_and_mul, silu_mul_float32, silu_mul_rounded
-from deepinfer_nvidia_sm100.kernels.quant import DENSE, WeightArgs, check_tiles, scale_strides, weight_args, weight_tile
+from deepinfer_nvidia_sm100.kernels.quant import (
+    DENSE,
+    WeightArgs,
+    a_tile,
+    check_tiles,
+    finish,
+    scale_strides,
+    weight_args,
+    weight_mma,
+)
 
 
 @triton.jit
@@ -51,18 +60,17 @@ def _gate_up_kernel(
         return
     rm = row0 + tl.arange(0, BM)
     rn = tl.program_id(1) * BN + tl.arange(0, BN)
-    rk = tl.arange(0, BK)
     x_rows = x_ptr + rm[:, None].to(tl.int64) * sx_m
     w, scales = w_ptr + expert.to(tl.int64) * sw_e, scale_ptr + expert.to(tl.int64) * ss_e
     acc_gate = tl.zeros((BM, BN), dtype=tl.float32)
     acc_up = tl.zeros((BM, BN), dtype=tl.float32)
     for k in range(0, D, BK):
-        ks = k + rk
-        a = tl.load(x_rows + ks[None, :], mask=(rm[:, None] < row_end) & (ks[None, :] < D), other=0.0)
-        gate = weight_tile(w, sw_n, 1, rn, INNER, k, D, scales, ss_n, ss_k, a.dtype, FORMAT, QBN, QBK, BK, BN)
-        up = weight_tile(w, sw_n, 1, rn + INNER, 2 * INNER, k, D, scales, ss_n, ss_k, a.dtype, FORMAT, QBN, QBK, BK, BN)
-        acc_gate = mma(a, gate, acc_gate, F32)
-        acc_up = mma(a, up, acc_up, F32)
+        a, a_odd = a_tile(x_rows, 1, rm[:, None] < row_end, k, D, FORMAT, BK)
+        acc_gate = weight_mma(acc_gate, a, a_odd, w, sw_n, 1, rn, INNER, k, D, scales, ss_n, ss_k, F32, FORMAT, QBN,
+                              QBK, BK, BN)  # fmt: skip
+        acc_up = weight_mma(acc_up, a, a_odd, w, sw_n, 1, rn + INNER, 2 * INNER, k, D, scales, ss_n, ss_k, F32, FORMAT,
+                            QBN, QBK, BK, BN)  # fmt: skip
+    acc_gate, acc_up = finish(acc_gate, FORMAT), finish(acc_up, FORMAT)
     dtype = act_ptr.dtype.element_ty
     # the GEMM output is rounded first; HAS_LIMIT: then clamped (V4's swiglu_limit), as silu_and_mul does
     if ROW_SCALED:  # V4.1: times each row's routing weight in float32, then the one rounding to dtype
@@ -86,15 +94,13 @@ def _down_kernel(
         return
     rm = row0 + tl.arange(0, BM)
     rn = tl.program_id(1) * BN + tl.arange(0, BN)
-    rk = tl.arange(0, BK)
     a_rows = a_ptr + rm[:, None].to(tl.int64) * sa_m
     w, scales = w_ptr + expert.to(tl.int64) * sw_e, scale_ptr + expert.to(tl.int64) * ss_e
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     for k in range(0, INNER, BK):
-        ks = k + rk
-        a = tl.load(a_rows + ks[None, :], mask=(rm[:, None] < row_end) & (ks[None, :] < INNER), other=0.0)
-        b = weight_tile(w, sw_n, 1, rn, D, k, INNER, scales, ss_n, ss_k, a.dtype, FORMAT, QBN, QBK, BK, BN)
-        acc = mma(a, b, acc, F32)
+        a, a_odd = a_tile(a_rows, 1, rm[:, None] < row_end, k, INNER, FORMAT, BK)
+        acc = weight_mma(acc, a, a_odd, w, sw_n, 1, rn, D, k, INNER, scales, ss_n, ss_k, F32, FORMAT, QBN, QBK, BK, BN)
+    acc = finish(acc, FORMAT)
     mask = (rm[:, None] < row_end) & (rn[None, :] < D)
     tl.store(out_ptr + rm[:, None].to(tl.int64) * so_m + rn[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
 
@@ -130,6 +136,7 @@ def expert_ffn(
     fixed_tiles: bool = True,
     swiglu_limit: float | None = None,
     row_scales: torch.Tensor | None = None,
+    tiles: tuple[int, int, int, int, int] | None = None,
 ) -> torch.Tensor:
     """x [N, D] rows sorted by expert, tokens_per_expert [E], w13 [E, 2I, D], w2 [E, D, I] -> [N, D];
     either weight may be a BlockFP8 (scale blocks spanning or dividing the K tiles) or an MXFP4.
@@ -137,7 +144,9 @@ def expert_ffn(
     fixed_tiles=False lets the tile size follow the number of rows (faster prefill, not batch-invariant).
     swiglu_limit (V4): the fused activation clamps as `silu_and_mul(limit=)` does, in the same kernel.
     row_scales [N] (V4.1's routing weights): the activation stays float32 (clamped in float32), is multiplied
-    by its row's scale and only then rounded to x.dtype, in the same epilogue."""
+    by its row's scale and only then rounded to x.dtype, in the same epilogue.
+    tiles (BM, BN, BK, warps, stages): another fixed tiling, for bench/gpu_quant_kernels.py to compare (none depends
+    on the rows: each is batch-invariant); production takes the defaults."""
     rows, hidden = x.shape
     if row_scales is not None and tuple(row_scales.shape) != (rows,):
         raise ValueError(f"row_scales has shape {tuple(row_scales.shape)}; expected one scale per row of x, ({rows},)")
@@ -152,9 +161,9 @@ def expert_ffn(
     # the H200, bench/README.md)
     size = "large" if not fixed_tiles and rows >= LARGE_ROWS_PER_EXPERT * experts else "fixed"
     dense = g13.format == DENSE and g2.format == DENSE
-    if size == "large" and dense and _torch_grouped_mm_takes(x, g13.values, g2.values):
+    if tiles is None and size == "large" and dense and _torch_grouped_mm_takes(x, g13.values, g2.values):
         return _torch_grouped_ffn(x, _counts_on(tokens_per_expert, x), g13.values, g2.values, swiglu_limit, row_scales)
-    bm, bn, bk, warps, stages = _tiles(x.dtype, size)
+    bm, bn, bk, warps, stages = tiles or _tiles(x.dtype, size)
     check_tiles(g13, bk)
     check_tiles(g2, bk)
     row_tiles = triton.cdiv(rows, bm) + experts

@@ -5,6 +5,14 @@ into the MMA's dtype right before the MMA: Hopper has no FP4 MMA, and an FP8 MMA
 FP8 too. The value is the reference's `dequantize()` exactly: element x scale in float32 (exact: e2m1 and e4m3
 times a power of two, or e4m3 times a float32 scale rounded once), then rounded to the dtype.
 
+MXFP4 tiles never interleave the two nibbles of a byte back into K order (a register shuffle through shared
+memory): the even K columns (low nibbles) and the odd ones (high nibbles) are two [BK/2, BN] tiles, each
+multiplied with the matching columns of A (`a_tile`, `weight_mma`); the sum over K is the same products. Each
+e2m1 code becomes an e4m3 byte by moving its bits (sign to bit 7, exponent and mantissa two places up: the
+e4m3 value is the e2m1 value times 2^-6, e2m1's subnormal 0.5 landing on e4m3's subnormal 2^-7), which the
+hardware converts; the 2^6 is given back once per output element (`finish`): power-of-two scalings are
+exact, so the sums are the ones the dequantized weight gives (short of float32's subnormal range).
+
 Formats (constexpr FORMAT): DENSE; FP8 (float32 scales); FP8_POW2 (E8M0 scale bytes); MXFP4 (E8M0 per 32 along
 K). FP8 blocks may span whole K tiles (QBK a multiple of BK: one scale a column per tile) or divide them (V4.1's
 32: BK / QBK scales a column).
@@ -19,20 +27,28 @@ import triton
 import triton.language as tl
 
 from deepinfer_core.backend.weight_formats import MX_BLOCK, MXFP4, BlockFP8
+from deepinfer_nvidia_sm100.kernels._common import mma
 
 __all__ = [
     "DENSE",
+    "FP4_TILE_SCALE",
     "FP8",
     "FP8_POW2",
     "MXFP4_FORMAT",
     "WeightArgs",
+    "a_tile",
     "check_tiles",
+    "finish",
     "scale_strides",
     "weight_args",
+    "weight_mma",
     "weight_tile",
 ]
 
 DENSE, FP8, FP8_POW2, MXFP4_FORMAT = 0, 1, 2, 3
+FP4_TILE_SCALE = 64.0  # an e2m1 code read as e4m3 is its value / 2^6: accumulators of MXFP4 tiles are x this
+_TILE_SCALE = tl.constexpr(FP4_TILE_SCALE)
+_MX = tl.constexpr(MX_BLOCK)
 
 
 class WeightArgs(NamedTuple):
@@ -58,6 +74,8 @@ def weight_args(weight) -> WeightArgs:
 def check_tiles(args: WeightArgs, bk: int) -> None:
     """Raise ValueError where a weight's scale blocks neither span nor divide the K tile `bk`."""
     qbk = args.block[1]
+    if args.format == MXFP4_FORMAT and bk % qbk:
+        raise ValueError(f"MXFP4 weights take K tiles of whole {qbk}-column scale blocks; the kernel's are {bk}")
     if args.format != DENSE and qbk % bk and bk % qbk:
         raise ValueError(f"quantization blocks of {qbk} columns neither span nor divide the kernel's {bk}-column tiles")
 
@@ -68,15 +86,6 @@ def e8m0_to_float(byte):
     b = byte.to(tl.int32)
     bits = tl.where(b == 0, 0x00400000, tl.where(b == 255, 0x7FC00000, b << 23))
     return bits.to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def e2m1_to_float(code):
-    """FP4 e2m1 codes (0..15: sign bit, then magnitude index) -> float32 (0, .5, 1, 1.5, 2, 3, 4, 6)."""
-    c = code.to(tl.int32)
-    m = (c & 7).to(tl.float32)
-    magnitude = tl.where(m < 4, m * 0.5, tl.where(m < 7, m - 2.0, 6.0))
-    return tl.where(c >= 8, -magnitude, magnitude)
 
 
 @triton.jit
@@ -96,34 +105,88 @@ def weight_tile(
     w_ptr, sw_n, sw_k, rows, n_hi, k, k_hi, scale_ptr, ss_n, ss_k, dtype: tl.constexpr, FORMAT: tl.constexpr,
     QBN: tl.constexpr, QBK: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr,
 ):  # fmt: skip
-    """The [BK, BN] tile W[rows, k .. k + BK]^T of a weight W [N, K] in `dtype` (zeros past n_hi / k_hi).
-    MXFP4: w_ptr points at the packed bytes [N, K / 2] (sw_n their row stride); scales [N, K / 32]."""
+    """The [BK, BN] tile W[rows, k .. k + BK]^T of a dense or FP8 weight W [N, K] in `dtype` (zeros past n_hi /
+    k_hi); MXFP4 tiles come in two halves (`mxfp4_halves`)."""
     row_ok = rows < n_hi
-    # if / else all the way (no early return): Triton compiles the statements after a constexpr-true `return`
-    if FORMAT == 3:
-        half = k // 2 + tl.arange(0, BK // 2)
-        packed = tl.load(w_ptr + rows[None, :].to(tl.int64) * sw_n + half[:, None], mask=row_ok[None, :] &
-                         (half[:, None] < k_hi // 2), other=0)  # fmt: skip
-        pairs = tl.join(e2m1_to_float(packed & 15), e2m1_to_float(packed >> 4))  # [BK / 2, BN, 2]: 2i, 2i + 1
-        w = tl.reshape(tl.permute(pairs, (0, 2, 1)), (BK, BN))
+    ks = k + tl.arange(0, BK)
+    w = tl.load(w_ptr + rows[None, :].to(tl.int64) * sw_n + ks[:, None] * sw_k,
+                mask=row_ok[None, :] & (ks[:, None] < k_hi), other=0.0)  # fmt: skip
+    if FORMAT == 0:
+        tile = w
+    elif QBK >= BK:  # the tile lies in one K block: one scale a column
+        scales = _scales(scale_ptr, k // QBK + tl.arange(0, 1), rows, row_ok, k_hi, ss_n, ss_k, QBN, QBK, FORMAT)
+        tile = (w.to(tl.float32) * scales).to(dtype)
+    else:
         kb = k // QBK + tl.arange(0, BK // QBK)
         scales = _scales(scale_ptr, kb, rows, row_ok, k_hi, ss_n, ss_k, QBN, QBK, FORMAT)
-        tile = tl.reshape(tl.reshape(w, (BK // QBK, QBK, BN)) * scales[:, None, :], (BK, BN)).to(dtype)
+        blocks = tl.reshape(w.to(tl.float32), (BK // QBK, QBK, BN)) * scales[:, None, :]
+        tile = tl.reshape(blocks, (BK, BN)).to(dtype)
+    return tile
+
+
+@triton.jit
+def mxfp4_halves(
+    w_ptr, sw_n, rows, n_hi, k, k_hi, scale_ptr, ss_n, ss_k, dtype: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr
+):  # fmt: skip
+    """MXFP4 W[rows, k .. k + BK]^T / FP4_TILE_SCALE as two [BK / 2, BN] tiles in `dtype`: the even K columns
+    (low nibbles) and the odd ones (high nibbles). BK is a multiple of the 32-column scale block."""
+    row_ok = rows < n_hi
+    half = k // 2 + tl.arange(0, BK // 2)
+    packed = tl.load(w_ptr + rows[None, :].to(tl.int64) * sw_n + half[:, None], mask=row_ok[None, :] &
+                     (half[:, None] < k_hi // 2), other=0)  # fmt: skip
+    # e2m1 s.ee.m -> e4m3 s.0000.ee.m00 (its value / 2^6, subnormals included)
+    even = (((packed & 7) << 2) | ((packed & 8) << 4)).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    odd = (((packed >> 2) & 0x1C) | (packed & 0x80)).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    # the scale of each half-column: its 32-column block, one of BK / 32 in the tile (a select, no reshape)
+    block_of_half = tl.arange(0, BK // 2) // (_MX // 2)
+    scale = tl.zeros((BK // 2, BN), dtype=tl.float32)
+    for j in tl.static_range(BK // _MX):
+        kb = k // _MX + j
+        byte = tl.load(scale_ptr + kb * ss_k + rows * ss_n, mask=row_ok & (kb * _MX < k_hi), other=0)
+        scale = tl.where((block_of_half == j)[:, None], e8m0_to_float(byte)[None, :], scale)
+    return (even * scale).to(dtype), (odd * scale).to(dtype)
+
+
+@triton.jit
+def a_tile(a_rows, sa_k, rows_ok, k, k_hi, FORMAT: tl.constexpr, BK: tl.constexpr):
+    """A[rows, k .. k + BK] as the weight's tiles pair with it (a_rows: [BM, 1] row pointers, rows_ok [BM, 1]):
+    MXFP4: (its even columns, its odd columns), [BM, BK / 2] each; other formats: (the tile, the same tile)."""
+    if FORMAT == 3:
+        ks = k + 2 * tl.arange(0, BK // 2)
+        a = tl.load(a_rows + ks[None, :] * sa_k, mask=rows_ok & (ks[None, :] < k_hi), other=0.0)
+        a_odd = tl.load(a_rows + (ks[None, :] + 1) * sa_k, mask=rows_ok & (ks[None, :] + 1 < k_hi), other=0.0)
     else:
         ks = k + tl.arange(0, BK)
-        w = tl.load(w_ptr + rows[None, :].to(tl.int64) * sw_n + ks[:, None] * sw_k,
-                    mask=row_ok[None, :] & (ks[:, None] < k_hi), other=0.0)  # fmt: skip
-        if FORMAT == 0:
-            tile = w
-        elif QBK >= BK:  # the tile lies in one K block: one scale a column
-            scales = _scales(scale_ptr, k // QBK + tl.arange(0, 1), rows, row_ok, k_hi, ss_n, ss_k, QBN, QBK, FORMAT)
-            tile = (w.to(tl.float32) * scales).to(dtype)
-        else:
-            kb = k // QBK + tl.arange(0, BK // QBK)
-            scales = _scales(scale_ptr, kb, rows, row_ok, k_hi, ss_n, ss_k, QBN, QBK, FORMAT)
-            blocks = tl.reshape(w.to(tl.float32), (BK // QBK, QBK, BN)) * scales[:, None, :]
-            tile = tl.reshape(blocks, (BK, BN)).to(dtype)
-    return tile
+        a = tl.load(a_rows + ks[None, :] * sa_k, mask=rows_ok & (ks[None, :] < k_hi), other=0.0)
+        a_odd = a
+    return a, a_odd
+
+
+@triton.jit
+def weight_mma(
+    acc, a, a_odd, w_ptr, sw_n, sw_k, rows, n_hi, k, k_hi, scale_ptr, ss_n, ss_k, F32: tl.constexpr,
+    FORMAT: tl.constexpr, QBN: tl.constexpr, QBK: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr,
+):  # fmt: skip
+    """acc + A[:, k .. k + BK] @ W[rows, k .. k + BK]^T, A as `a_tile` gives it (MXFP4: acc gathers the products
+    / FP4_TILE_SCALE until `finish`)."""
+    if FORMAT == 3:
+        even, odd = mxfp4_halves(w_ptr, sw_n, rows, n_hi, k, k_hi, scale_ptr, ss_n, ss_k, a.dtype, BK, BN)
+        acc = mma(a_odd, odd, mma(a, even, acc, F32), F32)
+    else:
+        w = weight_tile(
+            w_ptr, sw_n, sw_k, rows, n_hi, k, k_hi, scale_ptr, ss_n, ss_k, a.dtype, FORMAT, QBN, QBK, BK, BN
+        )
+        acc = mma(a, w, acc, F32)
+    return acc
+
+
+@triton.jit
+def finish(acc, FORMAT: tl.constexpr):
+    """An accumulator of `weight_mma` calls -> the GEMM's float32 result (MXFP4: x FP4_TILE_SCALE, exact).
+    (if / else, never an early return: Triton compiles the statements after a constexpr-true `return`.)"""
+    if FORMAT == 3:
+        acc = acc * _TILE_SCALE
+    return acc
 
 
 def scale_strides(args: WeightArgs, fallback: torch.Tensor) -> tuple[torch.Tensor, int, int, int]:
