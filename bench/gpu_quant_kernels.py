@@ -8,7 +8,8 @@ against the weight-read bound, in one run (issue #18):
 
     python bench/gpu_quant_kernels.py --out bench/results/gpu_quant_kernels_nvidia_h200.json
 
-Several fixed tilings of each are timed (none depends on the rows); `current` is production's. --tiny: small
+Several tilings of each are timed: production's in the default mode (`default`: the tiling may follow the rows)
+and in the batch-invariant one (`invariant`: one tiling whatever the rows), and other fixed ones. --tiny: small
 shapes under Triton's interpreter (a CPU smoke run; its times mean nothing).
 """
 
@@ -43,27 +44,27 @@ PROJECTIONS = {
              ("o_b", 4096, 8192), ("shared_gate_up", 4096, 4096), ("shared_down", 4096, 2048)],
     "tiny": [("a", 64, 128)],
 }  # fmt: skip
-# name: (BM, BN, BK, warps, stages) or None (production's)
+# name: (BM, BN, BK, warps, stages); "default" / "invariant": production's tiling in that mode
 FFN_TILINGS = {
     "full": {
-        "current": None,
-        "bk128": (64, 64, 128, 4, 3),
-        "bm16_bk128": (16, 64, 128, 4, 4),
-        "bm16_bn32_bk128": (16, 32, 128, 4, 4),
-        "bn128_w8": (64, 128, 64, 8, 3),
+        "default": None,
+        "invariant": None,
+        "bm16_bn128_bk128": (16, 128, 128, 4, 3),
+        "bm16_bk256": (16, 64, 256, 4, 3),
+        "bm64_bk128": (64, 64, 128, 4, 3),
     },
-    "tiny": {"current": None, "bk64": (16, 32, 64, 4, 1)},
+    "tiny": {"default": None, "invariant": None, "bk64": (16, 32, 64, 4, 1)},
 }
-# name: ((BM, BN, BK, warps), waves, stages) or None (production's)
+# name: ((BM, BN, BK, warps), waves, stages); "default" / "invariant": production's tiling in that mode
 GEMM_TILINGS = {
     "full": {
-        "current": None,
+        "default": None,
+        "invariant": None,
         "bm16_bk128": ((16, 64, 128, 4), 1, 4),
-        "bm16_bk128_waves2": ((16, 64, 128, 4), 2, 4),
         "bn128_waves2": ((64, 128, 64, 4), 2, 3),
         "bm128_bn128_w8": ((128, 128, 64, 8), 1, 3),
     },
-    "tiny": {"current": None, "bm16": ((16, 32, 32, 4), 1, 1)},
+    "tiny": {"default": None, "invariant": None, "bm16": ((16, 32, 32, 4), 1, 1)},
 }
 
 
@@ -107,12 +108,12 @@ def ffn_rows(args, device: torch.device, dtype: torch.dtype, bandwidth: float, r
         row = {"batch": batch, "rows": int(counts.sum()), "experts_touched": touched}
         for fmt, nbytes in bytes_per_expert.items():
             row[f"{fmt}_bound_ms"] = touched * nbytes / bandwidth * 1e3
-        bf16 = functools.partial(moe.expert_ffn, x, counts, b13, b2)
+        bf16 = functools.partial(moe.expert_ffn, x, counts, b13, b2, fixed_tiles=False)  # what the default mode runs
         reference = bf16()
         row["bf16_ms"] = replayed_ms(bf16, device, repeats, inner)
         row["bf16_fraction_of_bound"] = row["bfloat16_bound_ms"] / row["bf16_ms"]
         for name, tiles in FFN_TILINGS[size].items():
-            call = functools.partial(moe.expert_ffn, x, counts, w13, w2, tiles=tiles)
+            call = functools.partial(moe.expert_ffn, x, counts, w13, w2, fixed_tiles=name != "default", tiles=tiles)
             row[f"fp4_{name}_max_abs_vs_bf16"] = float((call().float() - reference.float()).abs().max())
             row[f"fp4_{name}_ms"] = ms = replayed_ms(call, device, repeats, inner)
             row[f"fp4_{name}_speedup_vs_bf16"] = row["bf16_ms"] / ms
@@ -137,10 +138,14 @@ def gemm_rows(args, device: torch.device, dtype: torch.dtype, bandwidth: float, 
             reference = cublas()
             row["cublas_bf16_ms"] = replayed_ms(cublas, device, repeats, inner)
             for tiling, spec in GEMM_TILINGS[size].items():
-                tiles, waves, stages = spec or (None, 1, 3)
-                call = functools.partial(gemm.batched_matmul, x[None], fp8.weight[None], b_scale=fp8, tiles=tiles,
-                                         waves=waves, stages=stages)  # fmt: skip
-                row[f"fp8_{tiling}_max_abs_vs_bf16"] = float((call()[0].float() - reference.float()).abs().max())
+                if spec is None:  # production's, in the default mode or the batch-invariant one
+                    call = functools.partial(gemm.matmul, x, fp8, fixed_tiles=tiling == "invariant")
+                else:
+                    tiles, waves, stages = spec
+                    call = functools.partial(gemm.batched_matmul, x[None], fp8.weight[None], b_scale=fp8,
+                                             tiles=tiles, waves=waves, stages=stages)  # fmt: skip
+                got = call().reshape(m, n)
+                row[f"fp8_{tiling}_max_abs_vs_bf16"] = float((got.float() - reference.float()).abs().max())
                 row[f"fp8_{tiling}_ms"] = ms = replayed_ms(call, device, repeats, inner)
                 row[f"fp8_{tiling}_speedup_vs_cublas_bf16"] = row["cublas_bf16_ms"] / ms
             rows.append(row)

@@ -66,7 +66,7 @@ class NvidiaOps:
 
     def linear(self, x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
         if self.batch_invariant or isinstance(weight, (BlockFP8, MXFP4)):  # dequantized in the Triton GEMM
-            return gemm.matmul(x, weight, bias)
+            return gemm.matmul(x, weight, bias, fixed_tiles=self.batch_invariant)
         return F.linear(x, weight, bias)
 
     def head_linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

@@ -183,6 +183,10 @@ def launch_everything() -> None:
         gemm.matmul(x, BlockFP8.quantize(torch.randn(576, 2048)))  # FP8 weight
         gemm.matmul(x, BlockFP8.quantize(torch.randn(576, 2048), (128, 128), "e8m0"))  # V4: E8M0 scales
         gemm.matmul(x, BlockFP8.quantize(torch.randn(576, 2048), (32, 32), "e8m0"))  # V4.1: 32 inside a K tile
+        gemm.matmul(x, MXFP4.quantize(torch.randn(576, 2048)))  # FP4: dot_scaled with bf16 rows, halves with float32
+        for rows in (4, 256):  # the default mode's tilings of a quantized weight (16-row, 128 x 128)
+            fp8 = BlockFP8.quantize(torch.randn(576, 2048), (128, 128), "e8m0")
+            gemm.matmul(torch.randn(rows, 2048).to(dtype), fp8, fixed_tiles=False)
         w13, w2 = torch.randn(4, 256, 256).to(dtype), torch.randn(4, 256, 128).to(dtype)
         for rows in (8, 4 * 512):  # fixed and large tiles
             counts = torch.full((4,), rows // 4, dtype=torch.int64)

@@ -13,6 +13,11 @@ e4m3 value is the e2m1 value times 2^-6, e2m1's subnormal 0.5 landing on e4m3's 
 hardware converts; the 2^6 is given back once per output element (`finish`): power-of-two scalings are
 exact, so the sums are the ones the dequantized weight gives (short of float32's subnormal range).
 
+On the GPU with bf16 activations MXFP4 tiles go to Triton's `tl.dot_scaled` instead (MXFP4_SCALED_DOT, chosen by
+`for_activations`): its Hopper lowering upcasts the codes and scales to bf16 itself, about 1.35x faster than the
+halves at decode sizes on the H200 and bit for bit the GEMM of the dequantized weight there (bench/README.md).
+Triton's interpreter has no dot_scaled and float32 has no such MMA: those run the halves.
+
 Formats (constexpr FORMAT): DENSE; FP8 (float32 scales); FP8_POW2 (E8M0 scale bytes); MXFP4 (E8M0 per 32 along
 K). FP8 blocks may span whole K tiles (QBK a multiple of BK: one scale a column per tile) or divide them (V4.1's
 32: BK / QBK scales a column).
@@ -27,7 +32,7 @@ import triton
 import triton.language as tl
 
 from deepinfer_core.backend.weight_formats import MX_BLOCK, MXFP4, BlockFP8
-from deepinfer_nvidia_sm100.kernels._common import mma
+from deepinfer_nvidia_sm100.kernels._common import INTERPRET, mma
 
 __all__ = [
     "DENSE",
@@ -35,17 +40,19 @@ __all__ = [
     "FP8",
     "FP8_POW2",
     "MXFP4_FORMAT",
+    "MXFP4_SCALED_DOT",
     "WeightArgs",
     "a_tile",
     "check_tiles",
     "finish",
+    "for_activations",
     "scale_strides",
     "weight_args",
     "weight_mma",
     "weight_tile",
 ]
 
-DENSE, FP8, FP8_POW2, MXFP4_FORMAT = 0, 1, 2, 3
+DENSE, FP8, FP8_POW2, MXFP4_FORMAT, MXFP4_SCALED_DOT = 0, 1, 2, 3, 4
 FP4_TILE_SCALE = 64.0  # an e2m1 code read as e4m3 is its value / 2^6: accumulators of MXFP4 tiles are x this
 _TILE_SCALE = tl.constexpr(FP4_TILE_SCALE)
 _MX = tl.constexpr(MX_BLOCK)
@@ -74,10 +81,17 @@ def weight_args(weight) -> WeightArgs:
 def check_tiles(args: WeightArgs, bk: int) -> None:
     """Raise ValueError where a weight's scale blocks neither span nor divide the K tile `bk`."""
     qbk = args.block[1]
-    if args.format == MXFP4_FORMAT and bk % qbk:
+    if args.format in (MXFP4_FORMAT, MXFP4_SCALED_DOT) and bk % qbk:
         raise ValueError(f"MXFP4 weights take K tiles of whole {qbk}-column scale blocks; the kernel's are {bk}")
     if args.format != DENSE and qbk % bk and bk % qbk:
         raise ValueError(f"quantization blocks of {qbk} columns neither span nor divide the kernel's {bk}-column tiles")
+
+
+def for_activations(args: WeightArgs, dtype: torch.dtype) -> WeightArgs:
+    """The kernel format for these activations: MXFP4 with bf16 activations on the GPU -> MXFP4_SCALED_DOT."""
+    if args.format == MXFP4_FORMAT and dtype == torch.bfloat16 and not INTERPRET:
+        return args._replace(format=MXFP4_SCALED_DOT)
+    return args
 
 
 @triton.jit
@@ -167,11 +181,26 @@ def weight_mma(
     acc, a, a_odd, w_ptr, sw_n, sw_k, rows, n_hi, k, k_hi, scale_ptr, ss_n, ss_k, F32: tl.constexpr,
     FORMAT: tl.constexpr, QBN: tl.constexpr, QBK: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr,
 ):  # fmt: skip
-    """acc + A[:, k .. k + BK] @ W[rows, k .. k + BK]^T, A as `a_tile` gives it (MXFP4: acc gathers the products
-    / FP4_TILE_SCALE until `finish`)."""
+    """acc + A[:, k .. k + BK] @ W[rows, k .. k + BK]^T, A as `a_tile` gives it (MXFP4 halves: acc gathers the
+    products / FP4_TILE_SCALE until `finish`; MXFP4_SCALED_DOT: Triton's dot_scaled, bf16 A)."""
     if FORMAT == 3:
         even, odd = mxfp4_halves(w_ptr, sw_n, rows, n_hi, k, k_hi, scale_ptr, ss_n, ss_k, a.dtype, BK, BN)
         acc = mma(a_odd, odd, mma(a, even, acc, F32), F32)
+    elif FORMAT == 4:
+        row_ok = rows < n_hi
+        half = k // 2 + tl.arange(0, BK // 2)
+        packed = tl.load(
+            w_ptr + rows[None, :].to(tl.int64) * sw_n + half[:, None],
+            mask=row_ok[None, :] & (half[:, None] < k_hi // 2),
+            other=0,
+        )  # fmt: skip  [BK / 2, BN]
+        kb = k // _MX + tl.arange(0, BK // _MX)
+        scales = tl.load(
+            scale_ptr + rows[:, None] * ss_n + kb[None, :] * ss_k,
+            mask=row_ok[:, None] & (kb[None, :] * _MX < k_hi),
+            other=127,
+        )  # fmt: skip  [BN, BK / 32], E8M0 bytes
+        acc = tl.dot_scaled(a, None, "bf16", packed, scales, "e2m1", acc)
     else:
         w = weight_tile(
             w_ptr, sw_n, sw_k, rows, n_hi, k, k_hi, scale_ptr, ss_n, ss_k, a.dtype, FORMAT, QBN, QBK, BK, BN
