@@ -14,8 +14,9 @@ hardware converts; the 2^6 is given back once per output element (`finish`): pow
 exact, so the sums are the ones the dequantized weight gives (short of float32's subnormal range).
 
 On the GPU with bf16 activations MXFP4 tiles go to Triton's `tl.dot_scaled` instead (MXFP4_SCALED_DOT, chosen by
-`for_activations`): its Hopper lowering upcasts the codes and scales to bf16 itself, about 1.35x faster than the
-halves at decode sizes on the H200 and bit for bit the GEMM of the dequantized weight there (bench/README.md).
+`for_activations`): its Hopper lowering upcasts the codes and scales to bf16 itself, about 1.5x faster than the
+halves at the same tiles at decode sizes on the H200 and bit for bit the GEMM of the dequantized weight there
+(bench/results/gpu_quant_kernels{_halves,}_nvidia_h200.json).
 Triton's interpreter has no dot_scaled and float32 has no such MMA: those run the halves.
 
 Formats (constexpr FORMAT): DENSE; FP8 (float32 scales); FP8_POW2 (E8M0 scale bytes); MXFP4 (E8M0 per 32 along
