@@ -26,9 +26,10 @@ def fp4(*shape: int, seed: int) -> MXFP4:
 @pytest.mark.parametrize("batch_invariant", [False, True], ids=["default", "invariant"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("n,k", [(200, 300), (64, 512)], ids=["cropped_blocks", "split_k"])
-def test_linear_with_fp8_weight_is_the_dequantized_gemm(dtype, n, k, batch_invariant):
+@pytest.mark.parametrize("rows", [7, 130], ids=["few_rows", "many_rows"])  # the default mode's two tilings
+def test_linear_with_fp8_weight_is_the_dequantized_gemm(dtype, n, k, batch_invariant, rows):
     weight, bias = fp8(n, k, seed=1), randn(n, dtype=dtype, seed=2)
-    x = randn(7, k, dtype=dtype, seed=3)
+    x = randn(rows, k, dtype=dtype, seed=3)
     ops = NvidiaOps(batch_invariant=batch_invariant)
     # roundings: the reference rounds the dequantized weight to bfloat16 first; the kernel never does
     assert_matches(ops.linear(x, weight, bias), REF.linear(x, weight, bias), reduced=k, roundings=2)

@@ -144,6 +144,9 @@ def batched_matmul(
     return out
 
 
+SMALL_ROWS, LARGE_ROWS = 16, 128  # the default mode's quantized GEMMs: 16-row tiles up to, 128 x 128 from
+
+
 def quantized_tiling(rows: int) -> dict:
     """The default mode's tiling of an FP8 / FP4 weight's GEMM by its rows (bench/gpu_quant_kernels.py on the H200:
     16-row tiles with 128-column K steps beat the fixed tiling and cuBLAS on the same weight in bf16 at decode's
@@ -155,9 +158,6 @@ def quantized_tiling(rows: int) -> dict:
     return {}
 
 
-SMALL_ROWS, LARGE_ROWS = 16, 128
-
-
 def matmul(
     x: torch.Tensor, weight: torch.Tensor | BlockFP8 | MXFP4, bias: torch.Tensor | None = None, fixed_tiles: bool = True
 ) -> torch.Tensor:
@@ -166,6 +166,6 @@ def matmul(
     rows = x.reshape(-1, x.shape[-1])
     quantized = isinstance(weight, (BlockFP8, MXFP4))
     values, scale = (weight.weight, weight) if quantized else (weight, None)
-    tiling = quantized_tiling(rows.shape[0]) if quantized and not fixed_tiles and not INTERPRET else {}
+    tiling = quantized_tiling(rows.shape[0]) if quantized and not fixed_tiles else {}
     out = batched_matmul(rows[None], values[None], bias, b_scale=scale, **tiling)[0]
     return out.view(*x.shape[:-1], weight.shape[0])
