@@ -38,12 +38,29 @@ def resolve_level(flag: str | None) -> int:
     return getattr(logging, value.upper())
 
 
+class _StderrHandler(logging.StreamHandler):
+    """A StreamHandler on whatever sys.stderr is when a record comes, not the one it was made with: a caller that
+    swaps stderr (a test's capture, a redirect) and closes its stream later does not leave a handler writing to a
+    closed file."""
+
+    def __init__(self) -> None:
+        super().__init__(sys.stderr)
+
+    @property
+    def stream(self):  # type: ignore[override]
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, _value) -> None:  # StreamHandler.__init__ / setStream assign it
+        pass
+
+
 def configure_logging(level: int) -> None:
     """Route DeepInfer's loggers to stderr at `level`; the root logger at WARNING or above. Idempotent."""
     root = logging.getLogger()
     for handler in [h for h in root.handlers if getattr(h, "_deepinfer", False)]:
         root.removeHandler(handler)
-    handler = logging.StreamHandler(sys.stderr)
+    handler = _StderrHandler()
     handler.setFormatter(_Formatter("%(message)s"))
     handler._deepinfer = True  # type: ignore[attr-defined]
     root.addHandler(handler)
