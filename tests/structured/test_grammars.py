@@ -1,0 +1,137 @@
+"""Structured outputs' grammars on the demo model's tokenizer (DeepSeek-V4's, 129k tokens): the masks allow
+exactly the continuations the constraint allows, walking a valid output token by token; bad constraints are
+refused with the reason; equal constraints compile once."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from deepinfer_core.engine.tokenizer import Tokenizer, demo_tokenizer_dir
+from deepinfer_core.errors import RequestError
+from deepinfer_core.sampling.bitmask import allowed_tokens
+from deepinfer_core.structured import GrammarCompiler, StructuredOutputError, StructuredOutputsParams
+
+VOCAB = 129280  # the demo model's logits rows
+SCHEMA = {
+    "type": "object",
+    "properties": {"name": {"type": "string"}, "age": {"type": "integer"}, "role": {"enum": ["admin", "user"]}},
+    "required": ["name", "age", "role"],
+    "additionalProperties": False,
+}
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> Tokenizer:
+    return Tokenizer.from_dir(demo_tokenizer_dir())
+
+
+@pytest.fixture(scope="module")
+def compiler(tokenizer) -> GrammarCompiler:
+    return GrammarCompiler(tokenizer._tokenizer.to_str(), VOCAB, [tokenizer.eos_token_id])
+
+
+def allowed(state) -> torch.Tensor:
+    mask = torch.zeros(1, state.width, dtype=torch.int32)
+    state.fill(mask, 0)
+    return allowed_tokens(mask, VOCAB)[0]
+
+
+def walk(compiler, tokenizer, params, text: str) -> list[torch.Tensor]:
+    """The mask before each token of `text`, each token checked against it and fed."""
+    state, masks = compiler.state(params), []
+    for token in tokenizer.encode(text, add_special_tokens=False):
+        masks.append(allowed(state))
+        assert masks[-1][token], f"token {token} ({tokenizer.decode([token])!r}) of a valid output was masked"
+        assert state.accept(token)
+    masks.append(allowed(state))
+    return masks
+
+
+def test_a_valid_json_document_walks_through_and_only_end_of_sequence_follows(compiler, tokenizer):
+    text = json.dumps({"name": "Ada", "age": 36, "role": "admin"}, separators=(",", ":"))
+    masks = walk(compiler, tokenizer, StructuredOutputsParams(json=SCHEMA), text)
+    first, last = masks[0], masks[-1]
+    assert first[tokenizer.encode('{"', add_special_tokens=False)[0]]  # a required key must follow the brace
+    for wrong in ("[", " ", "\n", "42", "Ada", "{}"):  # not this object's start; compact: no leading whitespace
+        assert not first[tokenizer.encode(wrong, add_special_tokens=False)[0]], wrong
+    assert last.nonzero().flatten().tolist() == [tokenizer.eos_token_id]
+
+
+def test_whitespace_is_allowed_only_when_asked_for(compiler, tokenizer):
+    space = tokenizer.encode(" ", add_special_tokens=False)[0]
+    after_brace = {}
+    for compact in (True, False):
+        state = compiler.state(StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=compact))
+        assert state.accept(tokenizer.encode("{", add_special_tokens=False)[0])
+        after_brace[compact] = bool(allowed(state)[space])
+    assert after_brace == {True: False, False: True}
+
+
+def test_enum_values_outside_the_schema_are_masked(compiler, tokenizer):
+    params = StructuredOutputsParams(json=SCHEMA)
+    state = compiler.state(params)
+    for token in tokenizer.encode('{"name":"A","age":1,"role":"', add_special_tokens=False):
+        assert state.accept(token)
+    mask = allowed(state)
+    assert mask[tokenizer.encode("admin", add_special_tokens=False)[0]]
+    assert not mask[tokenizer.encode("guest", add_special_tokens=False)[0]]
+
+
+def test_regex_and_choice(compiler, tokenizer):
+    digits = walk(compiler, tokenizer, StructuredOutputsParams(regex=r"[0-9]{3}-[0-9]{4}"), "555-1234")
+    assert not digits[0][tokenizer.encode("a", add_special_tokens=False)[0]]
+    assert digits[-1].nonzero().flatten().tolist() == [tokenizer.eos_token_id]
+    choice = StructuredOutputsParams(choice=["positive", "negative"])
+    masks = walk(compiler, tokenizer, choice, "negative")
+    assert not masks[0][tokenizer.encode("neutral", add_special_tokens=False)[0]]
+
+
+def test_lark_grammar(compiler, tokenizer):
+    params = StructuredOutputsParams(grammar='start: "SELECT " NAME " FROM " NAME\nNAME: /[a-z]+/')
+    masks = walk(compiler, tokenizer, params, "SELECT id FROM users")
+    assert not masks[0][tokenizer.encode("DROP", add_special_tokens=False)[0]]
+
+
+@pytest.mark.parametrize(
+    "params,needle",
+    [
+        (dict(regex="a(b"), "regex"),
+        (dict(json={"type": "objectx"}), "objectx"),
+        (dict(grammar='start: "a" undefined_rule'), "undefined_rule"),
+    ],
+    ids=["regex", "schema", "grammar"],
+)
+def test_bad_constraints_are_refused_with_the_reason(compiler, params, needle):
+    with pytest.raises(StructuredOutputError, match=needle) as caught:
+        compiler.grammar(StructuredOutputsParams(**params))
+    assert isinstance(caught.value, RequestError)  # a 400 at the API
+
+
+@pytest.mark.parametrize(
+    "kwargs,needle",
+    [
+        ({}, "exactly one"),
+        (dict(regex="a", choice=["a"]), "exactly one"),
+        (dict(json="{not json"), "not valid JSON"),
+        (dict(choice="abc"), "list of strings"),
+        (dict(choice=[]), "exactly one|list of strings"),
+        (dict(regex=""), "exactly one|non-empty"),
+    ],
+)
+def test_params_validate_their_fields(kwargs, needle):
+    with pytest.raises(RequestError, match=needle):
+        StructuredOutputsParams(**kwargs)
+
+
+def test_equal_constraints_compile_once(compiler, monkeypatch):
+    calls = []
+    original = compiler._compile
+    monkeypatch.setattr(compiler, "_compile", lambda params: calls.append(params) or original(params))
+    schema = {"type": "object", "properties": {"x": {"type": "integer"}, "y": {"type": "string"}}}
+    compiler.grammar(StructuredOutputsParams(json=schema))
+    compiler.grammar(StructuredOutputsParams(json=json.dumps(dict(reversed(list(schema.items()))))))
+    compiler.grammar(StructuredOutputsParams(json=schema, disable_any_whitespace=False))  # another grammar
+    assert len(calls) == 2
