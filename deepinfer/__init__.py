@@ -16,6 +16,7 @@ if TYPE_CHECKING:
     from deepinfer_core.engine.request import CompletionOutput, Logprob, RequestOutput
     from deepinfer_core.errors import DeepInferError
     from deepinfer_core.sampling.params import SamplingParams
+    from deepinfer_core.structured.params import StructuredOutputsParams
 
 __all__ = [
     "LLM",
@@ -25,6 +26,7 @@ __all__ = [
     "PromptType",
     "RequestOutput",
     "SamplingParams",
+    "StructuredOutputsParams",
     "TextPrompt",
     "TokensPrompt",
     "__version__",
@@ -36,6 +38,7 @@ _WHERE = {
     "Logprob": "deepinfer_core.engine.request",
     "RequestOutput": "deepinfer_core.engine.request",
     "SamplingParams": "deepinfer_core.sampling.params",
+    "StructuredOutputsParams": "deepinfer_core.structured.params",
     "DeepInferError": "deepinfer_core.errors",
     "PromptType": "deepinfer_core.engine.prompts",
     "TextPrompt": "deepinfer_core.engine.prompts",

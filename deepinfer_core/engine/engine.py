@@ -59,6 +59,7 @@ from deepinfer_core.engine.stops import find_stop, held_back
 from deepinfer_core.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from deepinfer_core.errors import RequestError
 from deepinfer_core.sampling.params import SamplingParams
+from deepinfer_core.structured import GrammarCompiler, StructuredOutputsParams
 
 __all__ = ["Engine", "EngineConfig", "RequestError"]  # EngineConfig: engine/config.py
 
@@ -132,6 +133,7 @@ class Engine:
         if tokenizer is not None and tokenizer.eos_token_id is not None:
             eos.add(tokenizer.eos_token_id)
         self.eos_token_ids = frozenset(eos)
+        self._grammars: GrammarCompiler | None = None  # structured outputs' compiler, made at the first such request
         self._requests: dict[str, RequestGroup] = {}  # unfinished requests, by id
         self._detokenizers: dict[Request, IncrementalDetokenizer] = {}
         self._seeds = random.Random(config.seed)  # None: seeded from the system's randomness
@@ -169,6 +171,8 @@ class Engine:
                 f"max_tokens {params.max_tokens}) but the cache holds {capacity}; lower max_tokens "
                 f"or give the engine more KV memory"
             )
+        if params.structured_outputs is not None:
+            self._check_structured_outputs(params.structured_outputs)
         samples = self._samples(request_id, text, token_ids, params, needed)
         group = RequestGroup(request_id, text, params, samples)
         if params.prompt_logprobs is not None:
@@ -181,6 +185,20 @@ class Engine:
             for sample in samples:
                 self.scheduler.add(sample)
         notify_request(self.observers, RequestEvent(request_id, "arrived"))
+
+    def _check_structured_outputs(self, wanted: StructuredOutputsParams) -> None:
+        """Compile (or find cached) a request's grammar before it is admitted: a bad one is a RequestError."""
+        if self.spec_stats is not None:
+            raise RequestError(
+                "structured outputs are not supported with speculative decoding yet: send the request without "
+                "structured_outputs / response_format, or serve without --speculative-config"
+            )
+        if self._grammars is None:
+            if self.tokenizer is None:
+                raise RequestError("structured outputs need the model's tokenizer; this engine was started without one")
+            vocab = self.model.config.vocab_size
+            self._grammars = GrammarCompiler(self.tokenizer.to_json(), vocab, self.eos_token_ids)
+        self._grammars.grammar(wanted)
 
     def _samples(
         self, request_id: str, text: str | None, token_ids: list[int], params: SamplingParams, max_num_tokens: int
@@ -196,6 +214,8 @@ class Engine:
             sample = Request(request_id, text, token_ids, sample_params, seed, arrival, index=index)
             sample.max_num_tokens = max_num_tokens
             sample.min_tokens_masked = masked if params.min_tokens else ()
+            if params.structured_outputs is not None:  # each sample walks the grammar on its own
+                sample.grammar = self._grammars.state(params.structured_outputs)
             if self.tokenizer is not None:
                 self._detokenizers[sample] = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens)
             samples.append(sample)
@@ -239,7 +259,10 @@ class Engine:
 
     def _pipelines(self, step: LaunchedStep) -> bool:
         """Whether the next step may be planned while `step` runs. Without drafts, always: the next step finds each
-        request's newest token on the device. Speculating, where `step` lets it (LaunchedStep.pipelines_drafts)."""
+        request's newest token on the device. Speculating, where `step` lets it (LaunchedStep.pipelines_drafts).
+        Never when `step` samples a structured-output request: its next mask needs the token on the host."""
+        if any(request.grammar is not None for request in step.sampled):
+            return False
         return self.spec_stats is None or step.pipelines_drafts()
 
     def _launch(self) -> LaunchedStep | None:
@@ -339,6 +362,12 @@ class Engine:
         """Append sampled row `row`'s token (and its logprobs) to the request; its text to report."""
         token = results.token_ids[row]
         request.output_token_ids.append(token)
+        if request.grammar is not None and not request.grammar.accept(token):  # only if its mask allowed nothing
+            log.warning("request %s: its grammar refused token %d (%s); ending it", request.request_id, token,
+                        request.grammar.error)  # fmt: skip
+            request.finish_reason = "abort"
+            self.scheduler.finish(request)
+            return ""
         request.cumulative_logprob += results.logprobs[row]  # always: best_of ranks samples by it
         if (wanted := request.params.logprobs) is not None:
             rank = results.ranks[row] if results.ranks is not None else None

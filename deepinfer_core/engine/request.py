@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from deepinfer_core.sampling.params import SamplingParams
+
+if TYPE_CHECKING:
+    from deepinfer_core.structured.grammars import GrammarState
 
 __all__ = ["CompletionOutput", "Logprob", "Request", "RequestGroup", "RequestOutput", "RequestStatus"]
 
@@ -65,6 +69,7 @@ class Request:
     draft_token_ids: list[int] = field(default_factory=list)  # drafted tokens the scheduled step verifies
     next_draft_token_ids: list[int] = field(default_factory=list)  # a draft model's, for the next step
     next_draft_confidence: list[float] = field(default_factory=list)  # its P(accepted | those before), if given
+    grammar: GrammarState | None = None  # structured outputs: where the output is in its grammar
 
     @property
     def num_tokens(self) -> int:

@@ -23,6 +23,7 @@ from deepinfer_core.engine.snapshots import first_needed
 from deepinfer_core.engine.step_batch import PromptLogprobs, PromptSpan, StepBatch, StepOutput
 from deepinfer_core.engine.transfer import to_device
 from deepinfer_core.kv.caches import allocate_caches
+from deepinfer_core.sampling.bitmask import masked_logits
 from deepinfer_core.sampling.logprobs import TokenLogprobs, logprobs_of, ranks_of, with_raw_logprobs
 from deepinfer_core.sampling.rejection import rejection_tokens, select_rows
 from deepinfer_core.sampling.sampler import SampleOutput, SamplingBatch
@@ -276,6 +277,15 @@ class ModelRunner:
         index = to_device(at, self.device).unbind(1)  # ([M], [M])
         return logits.index_put(index, torch.tensor(float("-inf"), device=logits.device))
 
+    def _apply_grammars(self, logits: torch.Tensor, rows: list[int], requests: Sequence[Request]) -> torch.Tensor:
+        """logits [S, V] with each of `rows`' grammar mask applied (structured outputs; the backend's kernel
+        where it has one): tokens its grammar does not allow next are -inf. The masks are filled on the host."""
+        mask = torch.full((len(rows), requests[rows[0]].grammar.width), -1, dtype=torch.int32)
+        for k, row in enumerate(rows):
+            requests[row].grammar.fill(mask, k)
+        index = to_device(rows, self.device)
+        return logits.index_put((index,), masked_logits(self.sampler, logits[index], mask.to(self.device)))
+
     @torch.inference_mode()
     def sample(
         self, batch: StepBatch, logits: torch.Tensor, in_flight: InFlightTokens | None = None
@@ -304,9 +314,13 @@ class ModelRunner:
         offsets = batch.draft_offsets or (0,) * len(sampled)
         masked_rows = [i for i, r in enumerate(sampled) if r.masks_stop_tokens(offsets[i])]
         seen = self._mask_stop_tokens(logits, masked_rows, sampled) if masked_rows else logits
+        constrained = [i for i, r in enumerate(sampled) if r.grammar is not None]
+        if constrained:
+            seen = self._apply_grammars(seen, constrained, sampled)
         output = self.sampler.sample(seen, sampling)
-        if masked_rows:
-            output = with_raw_logprobs(output, logits, to_device(masked_rows, self.device))
+        if masked_rows or constrained:
+            raw_rows = sorted(set(masked_rows) | set(constrained))
+            output = with_raw_logprobs(output, logits, to_device(raw_rows, self.device))
         if self.rejection and batch.draft_offsets:
             output = self._rejection(batch, logits, seen, sampling, output)
         wants_ranks = any(r.params.logprobs is not None for r in sampled)

@@ -78,6 +78,10 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return self._tokenizer.get_vocab_size(with_added_tokens=True)
 
+    def to_json(self) -> str:
+        """The tokenizer.json text (what llguidance builds structured outputs' masks from)."""
+        return self._tokenizer.to_str()
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """The text's ids; add_special_tokens puts the checkpoint's BOS first when its config asks for one."""
         ids = self._tokenizer.encode(text, add_special_tokens=False).ids

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from deepinfer_core.structured.params import StructuredOutputsParams
+
 __all__ = ["SamplingParams"]
 
 _GOLDEN = 0x9E3779B97F4A7C15  # spreads the seeds of a request's sibling samples over the 64-bit range
@@ -42,6 +44,7 @@ class SamplingParams:
     min_tokens: int = 0
     skip_special_tokens: bool = True
     prompt_logprobs: int | None = None
+    structured_outputs: StructuredOutputsParams | None = None  # vLLM's: json / regex / choice / grammar
 
     def __post_init__(self) -> None:
         problems = []
@@ -75,6 +78,10 @@ class SamplingParams:
             problems.append(f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}")
         if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= 20:
             problems.append(f"prompt_logprobs must be in [0, 20], got {self.prompt_logprobs}")
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            problems.append(
+                f"structured_outputs must be a StructuredOutputsParams, got {type(self.structured_outputs)}"
+            )
         if problems:
             raise ValueError("invalid sampling parameters: " + "; ".join(problems))
 

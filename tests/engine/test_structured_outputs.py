@@ -1,0 +1,111 @@
+"""Structured outputs through the engine on the embedded demo model (random weights: unconstrained, its output is
+never JSON; constrained, it always is): JSON Schema, regex, choice and grammar outputs validate, several samples
+each walk their own grammar, constrained and unconstrained requests share steps (asynchronous scheduling too), and
+bad constraints are refused before the request runs."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from deepinfer import LLM, SamplingParams, StructuredOutputsParams
+from deepinfer_core.errors import RequestError
+
+SMALL = dict(accelerator="cpu", max_num_seqs=8, kv_cache_memory_bytes=32 << 20, progress=False)
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 6},
+        "age": {"type": "integer", "minimum": 0, "maximum": 99},
+        "role": {"enum": ["admin", "user", "guest"]},
+    },
+    "required": ["name", "age", "role"],
+    "additionalProperties": False,
+}
+PROMPTS = ["Describe a person as JSON:", "Who is the admin?", "Give me a record."]
+
+
+@pytest.fixture(scope="module")
+def llm(one_torch_thread):
+    return LLM(**SMALL)
+
+
+def person_ok(text: str) -> bool:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        return False
+    return (
+        isinstance(value, dict)
+        and set(value) == {"name", "age", "role"}
+        and isinstance(value["name"], str)
+        and len(value["name"]) <= 6
+        and type(value["age"]) is int
+        and 0 <= value["age"] <= 99
+        and value["role"] in ("admin", "user", "guest")
+    )
+
+
+def params(seed: int, **constraint) -> SamplingParams:
+    wanted = StructuredOutputsParams(**constraint) if constraint else None
+    return SamplingParams(temperature=1.0, seed=seed, max_tokens=60, structured_outputs=wanted)
+
+
+def test_json_schema_outputs_validate_and_unconstrained_ones_do_not(llm):
+    constrained = llm.generate(PROMPTS, [params(i, json=PERSON) for i in range(len(PROMPTS))])
+    for output in constrained:
+        completion = output.outputs[0]
+        assert person_ok(completion.text), completion.text
+        assert completion.finish_reason == "stop"  # the grammar completed, then only end-of-sequence was allowed
+        assert " " not in completion.text.split('"name"')[0]  # compact JSON by default
+    free = llm.generate(PROMPTS, [params(i) for i in range(len(PROMPTS))])
+    assert not any(person_ok(o.outputs[0].text) for o in free)  # the control: random weights never write it
+
+
+def test_regex_choice_and_grammar(llm):
+    phone = r"[0-9]{3}-[0-9]{4}"
+    sql = 'start: "SELECT " NAME " FROM " NAME\nNAME: /[a-z]{1,8}/'
+    outputs = llm.generate(
+        ["Call me at", "The mood is", "Query:"],
+        [params(1, regex=phone), params(2, choice=["happy", "sad", "calm"]), params(3, grammar=sql)],
+    )
+    texts = [o.outputs[0].text for o in outputs]
+    assert re.fullmatch(phone, texts[0]), texts[0]
+    assert texts[1] in ("happy", "sad", "calm"), texts[1]
+    assert re.fullmatch(r"SELECT [a-z]{1,8} FROM [a-z]{1,8}", texts[2]), texts[2]
+
+
+def test_each_sample_walks_its_own_grammar_beside_unconstrained_requests(llm):
+    wanted = StructuredOutputsParams(json=PERSON)
+    several = SamplingParams(temperature=1.0, seed=7, n=3, max_tokens=60, structured_outputs=wanted)
+    outputs = llm.generate(PROMPTS, [several, params(8), params(9, json_object=True)])
+    assert len(outputs[0].outputs) == 3 and all(person_ok(c.text) for c in outputs[0].outputs)
+    assert not person_ok(outputs[1].outputs[0].text)
+    tail = outputs[2].outputs[0]
+    if tail.finish_reason == "stop":  # any JSON object: it may still be open at max_tokens
+        assert isinstance(json.loads(tail.text), dict)
+    else:
+        assert tail.text.startswith("{")
+
+
+def test_asynchronous_scheduling_waits_for_a_constrained_requests_token(one_torch_thread):
+    llm = LLM(**SMALL, async_scheduling=True)
+    assert llm.engine.async_scheduling
+    outputs = llm.generate(PROMPTS, [params(i, json=PERSON) if i != 1 else params(i) for i in range(3)])
+    assert person_ok(outputs[0].outputs[0].text) and person_ok(outputs[2].outputs[0].text)
+    synchronous = LLM(**SMALL, async_scheduling=False)
+    again = synchronous.generate(PROMPTS, [params(i, json=PERSON) if i != 1 else params(i) for i in range(3)])
+    assert [o.outputs[0].token_ids for o in outputs] == [o.outputs[0].token_ids for o in again]
+
+
+@pytest.mark.parametrize(
+    "constraint,needle",
+    [(dict(regex="a(b"), "unclosed group"), (dict(json={"type": "objectx"}), "objectx")],
+    ids=["regex", "schema"],
+)
+def test_a_bad_constraint_is_refused_before_it_runs(llm, constraint, needle):
+    with pytest.raises(RequestError, match=needle):
+        llm.generate(["x"], params(0, **constraint))
+    assert not llm.engine.has_unfinished()
