@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import logging
 import os
 import shutil
 import subprocess
@@ -19,6 +20,21 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Tests marked `long` run first: under pytest-xdist a worker starts each while the others take the rest,
     instead of one worker finishing it alone at the end."""
     items.sort(key=lambda item: item.get_closest_marker("long") is None)  # stable: collection order otherwise
+
+
+@pytest.fixture(autouse=True)
+def _logging_as_found():
+    """Each test leaves logging as it found it: a test running the CLI in-process (`deepinfer_core.cli.main`)
+    installs DeepInfer's stderr handler and INFO levels, which would make a later test on the same worker see log
+    lines on its captured stderr."""
+    root = logging.getLogger()
+    ours = [logging.getLogger(name) for name in ("deepinfer", "deepinfer_core", "deepinfer_conformance")]
+    handlers, level, levels = list(root.handlers), root.level, [logger.level for logger in ours]
+    yield
+    root.handlers[:] = handlers
+    root.setLevel(level)
+    for logger, before in zip(ours, levels):
+        logger.setLevel(before)
 
 
 DISTRIBUTIONS = Path(__file__).parent / "distributions"

@@ -1,5 +1,6 @@
 """configure_logging's handler writes to the stderr of the moment: a stream swapped in and closed after set-up (as
-pytest's capture does between tests) neither breaks later records nor receives them."""
+pytest's capture does between tests) neither breaks later records nor receives them. (tests/conftest.py puts the
+logging set-up back after the test.)"""
 
 from __future__ import annotations
 
@@ -11,19 +12,10 @@ from deepinfer_core.cli.logging_setup import configure_logging
 
 
 def test_records_go_to_the_current_stderr_after_the_set_up_stream_closed(monkeypatch):
-    root = logging.getLogger()
-    ours = [logging.getLogger(name) for name in ("deepinfer", "deepinfer_core", "deepinfer_conformance")]
-    before = list(root.handlers), root.level, [logger.level for logger in ours]
     first, second = io.StringIO(), io.StringIO()
-    try:
-        monkeypatch.setattr(sys, "stderr", first)
-        configure_logging(logging.INFO)
-        first.close()  # the set-up stream goes away
-        monkeypatch.setattr(sys, "stderr", second)
-        logging.getLogger("deepinfer_core.model.loader").info("weights read")
-        assert second.getvalue() == "deepinfer: weights read\n"
-    finally:
-        root.handlers[:] = before[0]
-        root.setLevel(before[1])
-        for logger, level in zip(ours, before[2]):
-            logger.setLevel(level)
+    monkeypatch.setattr(sys, "stderr", first)
+    configure_logging(logging.INFO)
+    first.close()  # the set-up stream goes away
+    monkeypatch.setattr(sys, "stderr", second)
+    logging.getLogger("deepinfer_core.model.loader").info("weights read")
+    assert second.getvalue() == "deepinfer: weights read\n"
