@@ -19,8 +19,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from deepinfer_core.errors import RequestError
 from deepinfer_core.sampling.params import SamplingParams
 from deepinfer_core.serve.errors import ApiError
+from deepinfer_core.structured.params import StructuredOutputsParams
 
 __all__ = [
     "HONOURED",
@@ -34,6 +36,7 @@ __all__ = [
     "requested_max_tokens",
     "resolve_max_tokens",
     "sampling_params_from_body",
+    "structured_outputs_from_body",
 ]
 
 ROUTES = ("chat", "responses", "messages", "completions")
@@ -194,11 +197,17 @@ def _text_config(value: Any) -> bool:  # Responses' `text: {"format": {...}, "ve
     return not isinstance(value, dict) or _text_format(value.get("format"))
 
 
-_GUIDED = "structured output (guided decoding) is not supported by this server; leave it out"
-_JSON_MODE = "only the text format is supported (no JSON mode or JSON schema: this server has no guided decoding)"
+_GUIDED = (
+    'the guided_* fields are vLLM\'s older spelling; send structured_outputs ({"json": SCHEMA}, {"regex": ...}, '
+    '{"choice": [...]}, {"grammar": ...}) or response_format instead'
+)
+_JSON_MODE = (
+    "structured output is not available on this route yet: only the text format; use response_format on "
+    "/v1/chat/completions or structured_outputs on /v1/completions"
+)
 _GUIDED_FIELDS = (
     "guided_json", "guided_regex", "guided_choice", "guided_grammar", "guided_decoding_backend",
-    "guided_whitespace_pattern", "structured_outputs",
+    "guided_whitespace_pattern",
 )  # fmt: skip
 _COMMON = {
     **{name: Refusal(_absent, _GUIDED) for name in _GUIDED_FIELDS},
@@ -221,7 +230,6 @@ REFUSED: dict[str, dict[str, Refusal]] = {
         "best_of": Refusal(_absent, f"best_of {_NOT_ON_CHAT}"),
         "prompt_logprobs": Refusal(_absent, f"prompt_logprobs {_NOT_ON_CHAT}"),
         "echo": Refusal(_false, "echo is not supported on chat completions; leave it out"),
-        "response_format": Refusal(_text_format, _JSON_MODE),
     },
     "responses": {
         **_COMMON,
@@ -229,6 +237,7 @@ REFUSED: dict[str, dict[str, Refusal]] = {
         "best_of": Refusal(_absent, "best_of is not available here; use /v1/completions"),
         "prompt_logprobs": Refusal(_absent, "prompt_logprobs is not available here; use /v1/completions"),
         "text": Refusal(_text_config, _JSON_MODE, param="text.format"),
+        "structured_outputs": Refusal(_absent, _JSON_MODE),
         "previous_response_id": Refusal(_absent, f"{_STATELESS}; send the whole conversation in input"),
         "conversation": Refusal(_absent, f"{_STATELESS}; send the whole conversation in input"),
         "store": Refusal(_false, f"{_STATELESS}; leave store out or set it to false"),
@@ -241,16 +250,16 @@ REFUSED: dict[str, dict[str, Refusal]] = {
         "prompt_logprobs": Refusal(_absent, "prompt_logprobs is not available here; use /v1/completions"),
         "output_format": Refusal(_absent, _JSON_MODE),  # the structured-outputs beta's spelling
         "output_config": Refusal(_no_format, _JSON_MODE, param="output_config.format"),
+        "structured_outputs": Refusal(_absent, _JSON_MODE),
     },
     "completions": {
         **_COMMON,
-        "response_format": Refusal(_text_format, _JSON_MODE),
         "suffix": Refusal(lambda v: not v, "suffix (insertion) is not supported; put all the text in prompt"),
     },
 }
-# a request's output constraint (deepseek-recipe's OutputConstraint.kind) that only guided decoding could
-# enforce, and the field that asked for it; tool-call constraints are not refused: the prompt opens the
-# tool-call block and the parser reads it
+# a request's output constraint (deepseek-recipe's OutputConstraint.kind) that only structured outputs can
+# enforce, and the field that asked for it (refused where the route does not build one yet); tool-call
+# constraints are not refused: the prompt opens the tool-call block and the parser reads it
 CONSTRAINT_FIELDS = {"chat": "response_format", "responses": "text.format", "messages": "output_config.format"}
 GUIDED_CONSTRAINTS = ("json", "regex")
 
@@ -334,6 +343,52 @@ def resolve_max_tokens(
     return room if default_max_tokens is None else min(default_max_tokens, room)
 
 
+# --- structured outputs ----------------------------------------------------------------------------------
+
+STRUCTURED_ROUTES = ("chat", "completions")
+_STRUCTURED_KEYS = ("json", "regex", "choice", "grammar", "json_object", "disable_any_whitespace")
+
+
+def structured_outputs_from_body(body: dict, route: str) -> StructuredOutputsParams | None:
+    """The output constraint a chat / completions body asks for: vLLM's `structured_outputs` object, or OpenAI's
+    `response_format` (json_object; json_schema with the request's own schema, `$defs` and all); None for text.
+    A malformed one is a 400 naming the field."""
+    if _route(route) not in STRUCTURED_ROUTES:
+        return None
+    wanted, field = None, "structured_outputs"
+    given = body.get("structured_outputs")
+    if given is not None:
+        if not isinstance(given, dict):
+            raise ApiError(400, 'structured_outputs must be an object such as {"json": SCHEMA}', param=field)
+        if unknown := sorted(set(given) - set(_STRUCTURED_KEYS)):
+            message = f"structured_outputs has unknown keys {unknown}; it takes {', '.join(_STRUCTURED_KEYS)}"
+            raise ApiError(400, message, param=field)
+        wanted = dict(given)
+    form = body.get("response_format")
+    if form is not None and not _text_format(form):
+        field = "response_format"
+        if wanted is not None:
+            raise ApiError(400, "give either response_format or structured_outputs, not both", param=field)
+        kind = form.get("type") if isinstance(form, dict) else None
+        if kind == "json_object":
+            wanted = {"json_object": True}
+        elif kind == "json_schema":
+            spec = form.get("json_schema")
+            schema = spec.get("schema") if isinstance(spec, dict) else None
+            if not isinstance(schema, dict):
+                raise ApiError(400, "response_format.json_schema.schema must be a JSON Schema object", param=field)
+            wanted = {"json": schema}
+        else:
+            message = f"response_format.type must be text, json_object or json_schema, got {kind!r}"
+            raise ApiError(400, message, param=field)
+    if wanted is None:
+        return None
+    try:
+        return StructuredOutputsParams(**wanted)
+    except RequestError as err:
+        raise ApiError(400, str(err), param=field) from None
+
+
 # --- SamplingParams --------------------------------------------------------------------------------------
 
 
@@ -348,6 +403,8 @@ def sampling_params_from_body(body: dict, *, route: str, max_tokens: int, **give
         if body.get(field) is not None and attribute not in given:
             values[attribute] = check(field, body[field])
     values.update(given)
+    if (structured := structured_outputs_from_body(body, route)) is not None:
+        values["structured_outputs"] = structured
     min_tokens = values.get("min_tokens", 0)
     if min_tokens > max_tokens:
         message = f"min_tokens ({min_tokens}) must not exceed the output limit ({max_tokens})"

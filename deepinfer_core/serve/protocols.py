@@ -75,6 +75,7 @@ def _parse(state: ServerState, protocol: Protocol, body: dict):
     route = protocol.route
     fields.refuse_unsupported(body, route)
     fields.check_sampling_fields(body, route)
+    fields.structured_outputs_from_body(body, route)  # before the recipe, whose refusals do not name the field
     requested, length_field = fields.requested_max_tokens(body, route, max_model_len=state.max_model_len)
     if route == "chat":
         _stream_options(body)  # before the recipe, whose refusal does not name the field
@@ -119,10 +120,6 @@ def _prepare(state: ServerState, protocol: Protocol, body: dict, request_id: str
         extras = {"tools": request.namespace_tool_map(state.options), "echo": request.echo()}
     conv, prompt_ids = encode_prompt(state, protocol, request)
     options = conv.inference_options
-    constraint = options.output_constraint
-    if constraint is not None and constraint.kind in fields.GUIDED_CONSTRAINTS:
-        param = fields.CONSTRAINT_FIELDS[protocol.route]
-        raise ApiError(400, f"unsupported parameter {param}: only text output is supported", param=param)
     room = state.kv_capacity_tokens - len(prompt_ids)  # an absent limit must not exceed the KV cache
     default = state.default_max_tokens if room < 1 else min(room, state.default_max_tokens or room)
     max_tokens = fields.resolve_max_tokens(
@@ -142,6 +139,10 @@ def _prepare(state: ServerState, protocol: Protocol, body: dict, request_id: str
         stop=tuple(conv.parsing_options.stop_sequences) or None,
         logprobs=(options.top_logprobs or 0) if options.logprobs else None,
     )
+    constraint = options.output_constraint  # deepseek-recipe's reading of the format; the schema comes from the body
+    if constraint is not None and constraint.kind in fields.GUIDED_CONSTRAINTS and params.structured_outputs is None:
+        param = fields.CONSTRAINT_FIELDS[protocol.route]
+        raise ApiError(400, f"unsupported parameter {param}: only text output is supported here", param=param)
     make = protocol.request_cls.chunk_generator
     generators = [make(conv, request_id, state.served_model_name) for _ in range(params.n)]
     if extras:
