@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 
 import pytest
@@ -125,3 +126,31 @@ def test_generate_takes_the_engram_placement_and_refuses_others(monkeypatch, cap
         main(["generate", "--prompt", "Hi"])
     with pytest.raises(Loaded, match="^host$"):
         main(["generate", "--prompt", "Hi", "--engram-placement", "host"])
+
+
+def test_generate_holds_the_output_to_a_json_schema_file(run_cli, tmp_path):
+    schema = {
+        "type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 8}, "rank": {"type": "integer", "maximum": 9}},
+        "required": ["city", "rank"],
+        "additionalProperties": False,
+    }
+    (tmp_path / "s.json").write_text(json.dumps(schema))
+    args = ["generate", "--prompt", "A city:", "--seed", "3", "--max-tokens", "40", "--accelerator", "cpu"]
+    result = run_cli([*args, "--json-schema", str(tmp_path / "s.json"), "--log-level", "info"])
+    assert result.returncode == 0, result.stderr
+    value = json.loads(result.stdout)  # the demo model's random weights write JSON only under the constraint
+    assert set(value) == {"city", "rank"} and len(value["city"]) <= 8 and type(value["rank"]) is int
+    assert "finish reason stop" in result.stderr
+    choice = run_cli(["generate", "--prompt", "Mood:", "--seed", "1", "--accelerator", "cpu", "--choice", "up",
+                      "--choice", "down"])  # fmt: skip
+    assert choice.returncode == 0 and choice.stdout.strip() in ("up", "down"), choice.stderr
+
+
+def test_generate_names_a_bad_constraint(run_cli, tmp_path):
+    missing = run_cli(["generate", "--prompt", "x", "--accelerator", "cpu", "--json-schema", str(tmp_path / "no")])
+    assert missing.returncode == 2 and "--json-schema: cannot read" in missing.stderr, missing.stderr
+    bad = run_cli(["generate", "--prompt", "x", "--accelerator", "cpu", "--regex", "a(b"])
+    assert bad.returncode == 2 and "unclosed group" in bad.stderr and "Traceback" not in bad.stderr, bad.stderr
+    both = run_cli(["generate", "--prompt", "x", "--regex", "a", "--choice", "a"])
+    assert both.returncode == 2 and "not allowed with argument" in both.stderr

@@ -5,9 +5,11 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from pathlib import Path
 
 from deepinfer_core.cli.flags import HelpFormatter, add_common_flags, add_model_flags
 from deepinfer_core.sampling.params import SamplingParams
+from deepinfer_core.structured.params import StructuredOutputsParams
 
 __all__ = ["add_parser"]
 
@@ -29,6 +31,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         max_tokens=args.max_tokens,
         stop=tuple(args.stop),
         ignore_eos=args.ignore_eos,
+        structured_outputs=_structured_outputs(args),
     )
     llm = LLM(
         model=args.model,
@@ -53,6 +56,26 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _structured_outputs(args: argparse.Namespace) -> StructuredOutputsParams | None:
+    """The output constraint the flags ask for (at most one: argparse keeps them exclusive)."""
+    if args.json_schema is not None:
+        return StructuredOutputsParams(json=_read(args.json_schema, "--json-schema"))
+    if args.regex is not None:
+        return StructuredOutputsParams(regex=args.regex)
+    if args.choice:
+        return StructuredOutputsParams(choice=args.choice)
+    if args.grammar is not None:
+        return StructuredOutputsParams(grammar=_read(args.grammar, "--grammar"))
+    return None
+
+
+def _read(path: str, flag: str) -> str:
+    try:
+        return Path(path).read_text()
+    except (OSError, UnicodeDecodeError) as err:
+        raise ValueError(f"{flag}: cannot read {path}: {getattr(err, 'strerror', None) or err}") from None
+
+
 def _token_ids(text: str) -> list[int]:
     try:
         return [int(t) for t in text.replace(" ", "").split(",") if t]
@@ -68,7 +91,8 @@ def add_parser(commands) -> None:
         "With no MODEL, the embedded demo model (random weights).",
         epilog="""examples:
   deepinfer generate deepseek-ai/DeepSeek-V3 --prompt "The capital of France is" --temperature 0
-  deepinfer generate --prompt "Hello" --seed 7 --stop "###" --stop $'\\n'   # bash: $'\\n' is a newline""",
+  deepinfer generate --prompt "Hello" --seed 7 --stop "###" --stop $'\\n'   # bash: $'\\n' is a newline
+  deepinfer generate --prompt "A person:" --json-schema person.schema.json""",
         formatter_class=HelpFormatter,
     )
     add_model_flags(p)
@@ -95,6 +119,13 @@ def add_parser(commands) -> None:
         help="stop string, repeatable: --stop '###' --stop $'\\n' (default: none)",
     )
     sampling.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-sequence token")
+    structured = p.add_argument_group("structured output (at most one)").add_mutually_exclusive_group()
+    structured.add_argument("--json-schema", metavar="FILE", help="the output is JSON this schema (a file) accepts")
+    structured.add_argument("--regex", help="the output matches this regular expression")
+    structured.add_argument(
+        "--choice", action="append", default=[], help="the output is one of these strings, repeatable: --choice yes"
+    )
+    structured.add_argument("--grammar", metavar="FILE", help="the output follows this Lark or GBNF grammar (a file)")
     p.add_argument_group("engine").add_argument(
         "--batch-invariant", action="store_true", help="run the backend's batch-invariant mode"
     )
