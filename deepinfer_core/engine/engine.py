@@ -59,7 +59,7 @@ from deepinfer_core.engine.stops import find_stop, held_back
 from deepinfer_core.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from deepinfer_core.errors import RequestError
 from deepinfer_core.sampling.params import SamplingParams
-from deepinfer_core.structured import GrammarCompiler, StructuredOutputsParams
+from deepinfer_core.structured import GrammarCompiler, StructuredOutputsParams, StructuredOutputStats
 
 __all__ = ["Engine", "EngineConfig", "RequestError"]  # EngineConfig: engine/config.py
 
@@ -186,6 +186,11 @@ class Engine:
                 self.scheduler.add(sample)
         notify_request(self.observers, RequestEvent(request_id, "arrived"))
 
+    @property
+    def structured_stats(self) -> StructuredOutputStats | None:
+        """Compile and mask timings of structured outputs (None until a request asked for them)."""
+        return self._grammars.stats if self._grammars is not None else None
+
     def _check_structured_outputs(self, wanted: StructuredOutputsParams) -> None:
         """Compile (or find cached) a request's grammar before it is admitted: a bad one is a RequestError."""
         if self.spec_stats is not None:
@@ -198,6 +203,7 @@ class Engine:
                 raise RequestError("structured outputs need the model's tokenizer; this engine was started without one")
             vocab = self.model.config.vocab_size
             self._grammars = GrammarCompiler(self.tokenizer.to_json(), vocab, self.eos_token_ids)
+            self.runner.structured_stats = self._grammars.stats
         self._grammars.grammar(wanted)
 
     def _samples(

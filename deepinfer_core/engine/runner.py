@@ -8,6 +8,7 @@ the step still in flight sampled is taken from that step's token tensor, on the 
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Sequence
 
 import torch
@@ -27,6 +28,7 @@ from deepinfer_core.sampling.bitmask import masked_logits
 from deepinfer_core.sampling.logprobs import TokenLogprobs, logprobs_of, ranks_of, with_raw_logprobs
 from deepinfer_core.sampling.rejection import rejection_tokens, select_rows
 from deepinfer_core.sampling.sampler import SampleOutput, SamplingBatch
+from deepinfer_core.structured.stats import StructuredOutputStats
 
 __all__ = ["ModelRunner", "PromptLogprobs", "PromptSpan", "StepBatch", "StepOutput"]
 
@@ -70,6 +72,7 @@ class ModelRunner:
         self.max_position = getattr(model.config, "max_position_embeddings", 1 << 62) - 1
         self.logits_processors = list(logits_processors)
         self.snapshot_boundaries = False  # the engine keeps window snapshots: see snapshots.first_needed
+        self.structured_stats: StructuredOutputStats | None = None  # the engine's, once structured outputs are used
         self.graphs = None
         if use_graphs:
             self.graphs = DecodeGraphs(
@@ -282,7 +285,10 @@ class ModelRunner:
         where it has one): tokens its grammar does not allow next are -inf. The masks are filled on the host."""
         mask = torch.full((len(rows), requests[rows[0]].grammar.width), -1, dtype=torch.int32)
         for k, row in enumerate(rows):
+            start = time.perf_counter()
             requests[row].grammar.fill(mask, k)
+            if self.structured_stats is not None:
+                self.structured_stats.mask_seconds.append(time.perf_counter() - start)
         index = to_device(rows, self.device)
         return logits.index_put((index,), masked_logits(self.sampler, logits[index], mask.to(self.device)))
 

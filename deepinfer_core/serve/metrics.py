@@ -30,6 +30,9 @@ _REQUEST_LATENCY_BUCKETS = (
     1920.0, 7680.0,
 )  # fmt: skip
 
+_COMPILE_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0)
+_MASK_BUCKETS = (1e-5, 2e-5, 5e-5, 1e-4, 2e-4, 5e-4, 1e-3, 2e-3, 5e-3, 1e-2, 2e-2, 5e-2)
+
 
 def build_1_2_5_buckets(max_value: int) -> list[int]:
     """1, 2, 5, 10, 20, 50, ... up to max_value (vLLM's buckets for token counts)."""
@@ -132,6 +135,17 @@ class ServerMetrics:
             "vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.", _REQUEST_LATENCY_BUCKETS
         )
 
+        self.grammar_compile = histogram(
+            "deepinfer:structured_output_compile_seconds",
+            "Time to compile a structured-output constraint into a grammar (cache misses only).",
+            _COMPILE_BUCKETS,
+        )
+        self.grammar_mask = histogram(
+            "deepinfer:structured_output_mask_seconds",
+            "Host time to fill one constrained request's token mask for one step.",
+            _MASK_BUCKETS,
+        )
+
     # ---- recorded by the async engine ------------------------------------------------------------
 
     def request_output(self, interval: float, num_new_tokens: int, num_prompt_tokens: int | None = None) -> None:
@@ -193,6 +207,12 @@ class ServerMetrics:
         self._prefix_seen = (blocks.prefix_queries, blocks.prefix_hits)
         if (stats := getattr(engine, "spec_stats", None)) is not None:
             self._observe_speculation(stats)
+        if (structured := getattr(engine, "structured_stats", None)) is not None:
+            compiled, masks = structured.drain()
+            for seconds in compiled:
+                self.grammar_compile.observe(seconds)
+            for seconds in masks:
+                self.grammar_mask.observe(seconds)
 
     def _observe_speculation(self, stats) -> None:
         """vLLM's spec_decode counters from the engine's SpeculativeStats (engine/speculative.py)."""

@@ -7,5 +7,12 @@ one sequence's place in its grammar: the tokens it may emit next, as a row of sa
 
 from deepinfer_core.structured.grammars import GrammarCompiler, GrammarState, StructuredOutputError
 from deepinfer_core.structured.params import StructuredOutputsParams
+from deepinfer_core.structured.stats import StructuredOutputStats
 
-__all__ = ["GrammarCompiler", "GrammarState", "StructuredOutputError", "StructuredOutputsParams"]
+__all__ = [
+    "GrammarCompiler",
+    "GrammarState",
+    "StructuredOutputError",
+    "StructuredOutputStats",
+    "StructuredOutputsParams",
+]

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Iterable
 
@@ -21,6 +22,7 @@ import torch
 from deepinfer_core.errors import RequestError
 from deepinfer_core.sampling.bitmask import bitmask_width
 from deepinfer_core.structured.params import StructuredOutputsParams
+from deepinfer_core.structured.stats import StructuredOutputStats
 
 __all__ = ["GrammarCompiler", "GrammarState", "StructuredOutputError"]
 
@@ -50,6 +52,7 @@ class GrammarCompiler:
         self._cache: OrderedDict[tuple, str] = OrderedDict()
         self._cache_size = cache_size
         self._lock = threading.Lock()
+        self.stats = StructuredOutputStats()
 
     def grammar(self, params: StructuredOutputsParams) -> str:
         """The checked llguidance grammar of `params` (from the cache when an equal request compiled it)."""
@@ -58,7 +61,9 @@ class GrammarCompiler:
             if key in self._cache:
                 self._cache.move_to_end(key)
                 return self._cache[key]
+        start = time.perf_counter()
         grammar = self._compile(params)
+        self.stats.compile_seconds.append(time.perf_counter() - start)
         with self._lock:
             self._cache[key] = grammar
             while len(self._cache) > self._cache_size:

@@ -107,3 +107,21 @@ def test_routes_without_structured_outputs_refuse_by_name(server):
     body = {"model": MODEL, "input": "hi", "max_output_tokens": 2, "structured_outputs": {"regex": "a"}}
     r = httpx.post(server.url + "/v1/responses", json=body, timeout=30)
     assert r.status_code == 400 and r.json()["error"]["param"] == "structured_outputs", r.text
+
+
+def test_compile_and_mask_times_are_histograms(openai_client, server):
+    def counts() -> tuple[float, float]:
+        samples = server.metrics()
+        return tuple(
+            server.value(f"deepinfer:structured_output_{name}_seconds_count", samples) for name in ("compile", "mask")
+        )
+
+    compiled, masked = counts()
+    fresh = {"type": "object", "properties": {"metric_probe": {"enum": ["a", "b"]}}, "required": ["metric_probe"]}
+    choice = openai_client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=12, seed=4, extra_body={"structured_outputs": {"json": fresh}}
+    ).choices[0]
+    assert json.loads(choice.message.content) in ({"metric_probe": "a"}, {"metric_probe": "b"})
+    after_compiled, after_masked = counts()
+    assert after_compiled == compiled + 1  # a new schema: one compile
+    assert after_masked >= masked + len(choice.message.content) // 8  # a mask per constrained token at least
