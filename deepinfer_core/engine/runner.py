@@ -289,6 +289,8 @@ class ModelRunner:
             requests[row].grammar.fill(mask, k)
             if self.structured_stats is not None:
                 self.structured_stats.mask_seconds.append(time.perf_counter() - start)
+        if len(rows) == logits.shape[0]:  # every row constrained: no gather and scatter of the rows
+            return masked_logits(self.sampler, logits.clone(), mask.to(self.device))
         index = to_device(rows, self.device)
         return logits.index_put((index,), masked_logits(self.sampler, logits[index], mask.to(self.device)))
 

@@ -31,13 +31,18 @@ def bitmask_width(vocab_size: int) -> int:
     return (vocab_size + 31) // 32
 
 
+_BYTE_BITS = ((torch.arange(256)[:, None] >> torch.arange(8)) & 1).bool()  # [256, 8]: byte value -> its bits, low first
+
+
 def allowed_tokens(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """bitmask [B, W] int32 -> bool [B, vocab_size]: which tokens each row allows (none past word W - 1)."""
-    tokens = torch.arange(vocab_size, device=bitmask.device)
-    words = tokens // 32
-    inside = words < bitmask.shape[1]
-    bits = (bitmask[:, words.clamp(max=bitmask.shape[1] - 1)] >> (tokens % 32).to(torch.int32)) & 1
-    return (bits == 1) & inside
+    rows, words = bitmask.shape
+    # little-endian words as bytes: byte k of a row holds tokens 8k .. 8k + 7, lowest bit first (a table lookup)
+    data = bitmask.contiguous().view(torch.uint8).long()  # [B, 4W]
+    bits = _BYTE_BITS.to(bitmask.device)[data].view(rows, words * 32)
+    if vocab_size <= words * 32:
+        return bits[:, :vocab_size]
+    return torch.cat([bits, bits.new_zeros(rows, vocab_size - words * 32)], dim=1)
 
 
 def check_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:

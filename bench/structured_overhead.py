@@ -1,0 +1,117 @@
+"""What structured outputs cost a decode (issue #19): the same requests on the demo model with every request
+constrained and with none, at several batch sizes, in one run; the per-token mask time per request from the
+engine's own timings (deepinfer:structured_output_mask_seconds).
+
+    python bench/structured_overhead.py --out bench/results/structured_overhead_cpu.json
+    python bench/structured_overhead.py --accelerator nvidia --out bench/results/structured_overhead_nvidia_h200.json
+
+Every request decodes exactly max_tokens tokens (ignore_eos; the JSON string needs at least 400 characters, the
+regex `[a-z ]+` may end, after which only end-of-sequence is allowed). A counted regex such as `[a-z ]{400,}` costs
+llguidance ~0.4-0.6 ms a mask instead (measured once while writing this): large bounded repeats are expensive.
+Targets (issue #19): under 50 us of mask time per token per request at batch 64, and no more than 10% of decode
+throughput lost.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import machine, versions  # noqa: E402
+
+CONSTRAINTS = {
+    "regex": {"regex": "[a-z ]+"},
+    "json": {"json": {"type": "object", "properties": {"text": {"type": "string", "minLength": 400}}}},
+}
+
+
+def run(llm, batch: int, max_tokens: int, constraint: dict | None, repeats: int) -> dict:
+    from deepinfer import SamplingParams, StructuredOutputsParams
+
+    wanted = StructuredOutputsParams(**constraint) if constraint else None
+    params = [
+        SamplingParams(temperature=1.0, seed=i, max_tokens=max_tokens, ignore_eos=True, structured_outputs=wanted)
+        for i in range(batch)
+    ]
+    prompts = [f"Request {i}: write something." for i in range(batch)]
+    llm.generate(prompts[:1], params[:1], use_tqdm=False)  # warm: compiles the grammar, fills the caches
+    if (stats := llm.engine.structured_stats) is not None:
+        stats.drain()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        times.append(time.perf_counter() - start)
+    seconds = statistics.median(times)
+    tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+    row = {"seconds": seconds, "seconds_per_repeat": times, "tokens": tokens, "tokens_per_s": tokens / seconds}
+    if constraint:
+        masks = sorted(llm.engine.structured_stats.drain()[1])
+        row.update(
+            mask_samples=len(masks),
+            mask_us_mean=statistics.fmean(masks) * 1e6,
+            mask_us_median=masks[len(masks) // 2] * 1e6,
+            mask_us_p90=masks[int(len(masks) * 0.9)] * 1e6,
+        )
+    return row
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--accelerator", default="cpu")
+    parser.add_argument("--batches", default="1,16,64")
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--repeats", type=int, default=3, help="timed runs of each configuration (the median is kept)")
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args(argv)
+    from deepinfer import LLM
+
+    llm = LLM(accelerator=args.accelerator, max_num_seqs=64, progress=False)
+    rows = []
+    for batch in [int(b) for b in args.batches.split(",")]:
+        plain = run(llm, batch, args.max_tokens, None, args.repeats)
+        for name, constraint in CONSTRAINTS.items():
+            constrained = run(llm, batch, args.max_tokens, constraint, args.repeats)
+            row = {
+                "batch": batch,
+                "constraint": name,
+                "unconstrained": plain,
+                "constrained": constrained,
+                "throughput_lost": 1 - constrained["tokens_per_s"] / plain["tokens_per_s"],
+            }
+            rows.append(row)
+            print(
+                f"batch {batch} {name}: {plain['tokens_per_s']:.0f} -> {constrained['tokens_per_s']:.0f} tok/s "
+                f"({row['throughput_lost']:+.1%} lost), mask {constrained['mask_us_median']:.0f} us median "
+                f"{constrained['mask_us_p90']:.0f} us p90 per token per request",
+                flush=True,
+            )
+    report = {
+        "benchmark": "structured_overhead",
+        "command": " ".join(["python", "bench/structured_overhead.py", *(argv if argv is not None else sys.argv[1:])]),
+        "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "machine": machine(),
+        "versions": versions(),
+        "backend": llm.backend.info.name,
+        "device": llm.backend.device.name,
+        "model": llm.model_name,
+        "max_tokens": args.max_tokens,
+        "constraints": CONSTRAINTS,
+        "method": "one LLM (the demo model); per batch the same prompts and seeds unconstrained and constrained, "
+        "ignore_eos, each after a one-request warm-up, the median of --repeats timed runs; "
+        "mask times are the engine's per constrained row of a step",
+        "targets": "mask < 50 us per token per request at batch 64; throughput lost <= 10% (issue #19)",
+        "rows": rows,
+    }
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
