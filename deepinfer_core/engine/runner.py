@@ -8,7 +8,6 @@ the step still in flight sampled is taken from that step's token tensor, on the 
 from __future__ import annotations
 
 import dataclasses
-import time
 from collections.abc import Sequence
 
 import torch
@@ -24,10 +23,10 @@ from deepinfer_core.engine.snapshots import first_needed
 from deepinfer_core.engine.step_batch import PromptLogprobs, PromptSpan, StepBatch, StepOutput
 from deepinfer_core.engine.transfer import to_device
 from deepinfer_core.kv.caches import allocate_caches
-from deepinfer_core.sampling.bitmask import masked_logits
 from deepinfer_core.sampling.logprobs import TokenLogprobs, logprobs_of, ranks_of, with_raw_logprobs
 from deepinfer_core.sampling.rejection import rejection_tokens, select_rows
 from deepinfer_core.sampling.sampler import SampleOutput, SamplingBatch
+from deepinfer_core.structured.masks import apply_grammars
 from deepinfer_core.structured.stats import StructuredOutputStats
 
 __all__ = ["ModelRunner", "PromptLogprobs", "PromptSpan", "StepBatch", "StepOutput"]
@@ -280,20 +279,6 @@ class ModelRunner:
         index = to_device(at, self.device).unbind(1)  # ([M], [M])
         return logits.index_put(index, torch.tensor(float("-inf"), device=logits.device))
 
-    def _apply_grammars(self, logits: torch.Tensor, rows: list[int], requests: Sequence[Request]) -> torch.Tensor:
-        """logits [S, V] with each of `rows`' grammar mask applied (structured outputs; the backend's kernel
-        where it has one): tokens its grammar does not allow next are -inf. The masks are filled on the host."""
-        mask = torch.full((len(rows), requests[rows[0]].grammar.width), -1, dtype=torch.int32)
-        for k, row in enumerate(rows):
-            start = time.perf_counter()
-            requests[row].grammar.fill(mask, k)
-            if self.structured_stats is not None:
-                self.structured_stats.mask_seconds.append(time.perf_counter() - start)
-        if len(rows) == logits.shape[0]:  # every row constrained: no gather and scatter of the rows
-            return masked_logits(self.sampler, logits.clone(), mask.to(self.device))
-        index = to_device(rows, self.device)
-        return logits.index_put((index,), masked_logits(self.sampler, logits[index], mask.to(self.device)))
-
     @torch.inference_mode()
     def sample(
         self, batch: StepBatch, logits: torch.Tensor, in_flight: InFlightTokens | None = None
@@ -324,7 +309,8 @@ class ModelRunner:
         seen = self._mask_stop_tokens(logits, masked_rows, sampled) if masked_rows else logits
         constrained = [i for i, r in enumerate(sampled) if r.grammar is not None]
         if constrained:
-            seen = self._apply_grammars(seen, constrained, sampled)
+            grammars = [sampled[i].grammar for i in constrained]
+            seen = apply_grammars(self.sampler, seen, constrained, grammars, self.structured_stats)
         output = self.sampler.sample(seen, sampling)
         if masked_rows or constrained:
             raw_rows = sorted(set(masked_rows) | set(constrained))

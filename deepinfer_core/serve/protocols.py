@@ -28,6 +28,7 @@ from deepinfer_core.serve.errors import ApiError, from_conversion_error, invalid
 from deepinfer_core.serve.prompt_encoding import check_prompt_fits
 from deepinfer_core.serve.recipe_input import StopGate, inference_chunks
 from deepinfer_core.serve.state import ServerState
+from deepinfer_core.serve.structured_fields import structured_outputs_from_body
 from deepinfer_core.serve.tool_choice import check_tool_choice
 
 __all__ = ["PROTOCOLS", "Protocol", "encode_prompt", "parse_request", "run_protocol"]
@@ -75,7 +76,7 @@ def _parse(state: ServerState, protocol: Protocol, body: dict):
     route = protocol.route
     fields.refuse_unsupported(body, route)
     fields.check_sampling_fields(body, route)
-    fields.structured_outputs_from_body(body, route)  # before the recipe, whose refusals do not name the field
+    structured_outputs_from_body(body, route)  # before the recipe, whose refusals do not name the field
     requested, length_field = fields.requested_max_tokens(body, route, max_model_len=state.max_model_len)
     if route == "chat":
         _stream_options(body)  # before the recipe, whose refusal does not name the field

@@ -104,14 +104,14 @@ class GrammarState:
     def __init__(self, matcher, vocab_size: int) -> None:
         if matcher.is_error():
             raise StructuredOutputError(f"structured outputs' grammar failed to start: {matcher.get_error()}")
-        self._matcher = matcher
+        from llguidance.torch import fill_next_token_bitmask
+
+        self._matcher, self._fill = matcher, fill_next_token_bitmask
         self.width = bitmask_width(vocab_size)
 
     def fill(self, bitmask: torch.Tensor, row: int) -> None:
         """Write the allowed next tokens into row `row` of an int32 [rows, width] host bitmask."""
-        from llguidance.torch import fill_next_token_bitmask
-
-        fill_next_token_bitmask(self._matcher, bitmask, row)
+        self._fill(self._matcher, bitmask, row)
 
     def accept(self, token: int) -> bool:
         """Advance by an emitted token; False when the grammar does not allow it (the state is then an error)."""

@@ -1,0 +1,37 @@
+"""Structured outputs at sampling: each constrained row's grammar mask onto a step's logits."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+import torch
+
+from deepinfer_core.sampling.bitmask import masked_logits
+from deepinfer_core.structured.grammars import GrammarState
+from deepinfer_core.structured.stats import StructuredOutputStats
+
+__all__ = ["apply_grammars"]
+
+
+def apply_grammars(
+    sampler,
+    logits: torch.Tensor,
+    rows: Sequence[int],
+    grammars: Sequence[GrammarState],
+    stats: StructuredOutputStats | None = None,
+) -> torch.Tensor:
+    """logits [S, V] with row rows[k] masked by grammars[k] (tokens it does not allow next are -inf), through the
+    sampler's apply_token_bitmask (a backend's kernel) where it has one. The masks are filled on the host; `stats`
+    gets each row's fill time."""
+    mask = torch.full((len(rows), grammars[0].width), -1, dtype=torch.int32)
+    for k, grammar in enumerate(grammars):
+        start = time.perf_counter()
+        grammar.fill(mask, k)
+        if stats is not None:
+            stats.mask_seconds.append(time.perf_counter() - start)
+    bitmask = mask.to(logits.device)
+    if len(rows) == logits.shape[0]:  # every row constrained: no gather and scatter of the rows
+        return masked_logits(sampler, logits.clone(), bitmask)
+    index = torch.tensor(rows, device=logits.device)
+    return logits.index_put((index,), masked_logits(sampler, logits[index], bitmask))
