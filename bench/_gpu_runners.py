@@ -188,7 +188,7 @@ def engine_config(args, block: int, **extra) -> EngineConfig:
 
 
 def run_workload(args, systems: dict, hf, vocab: int, device) -> tuple[dict, dict, list | None]:
-    """Decode at every batch (ours; transformers at args.hf_batches), prefill, the profile of one of ours
+    """Decode at every batch (ours; transformers at args.hf_batches), prefill, the profiles of those of ours chosen
     -> (decode {system: {batch: result}}, prefill {system: result}, profiles or None)."""
     decode = {key: {} for key in [*systems, *(["hf"] if hf else [])]}
     for b in args.batches:
@@ -208,14 +208,16 @@ def run_workload(args, systems: dict, hf, vocab: int, device) -> tuple[dict, dic
     if hf is not None:
         prefill["hf"] = hf_prefill(hf, prefill_sets, device)
     profiles = None
-    chosen = getattr(args, "profile_system", "ours_default")
-    if args.profile and chosen not in systems:
-        profiles = [{"system": chosen, "skipped": f"{chosen} was not measured (the report's systems say why)"}]
-    elif args.profile:
+    chosen = getattr(args, "profile_system", ["ours_default"])
+    if args.profile:
         profiles = []
-        for b in args.profile_batches:
-            prompts = make_prompts(b, args.prompt_len, vocab, args.seed * 1000 + 700 + b)
-            profiles.append({"system": chosen, **systems[chosen].profile(prompts, 5)})
+        for name in [chosen] if isinstance(chosen, str) else chosen:
+            if name not in systems:
+                profiles.append({"system": name, "skipped": f"{name} was not measured (the report's systems say why)"})
+                continue
+            for b in args.profile_batches:
+                prompts = make_prompts(b, args.prompt_len, vocab, args.seed * 1000 + 700 + b)
+                profiles.append({"system": name, **systems[name].profile(prompts, 5)})
     return decode, prefill, profiles
 
 

@@ -20,11 +20,19 @@ from deepinfer_core.backend.resolve import resolve_backend
 from deepinfer_core.backend.weight_formats import MXFP4, BlockFP8, dequantized, weight_bytes
 from deepinfer_core.model.deepseek_v4 import QUANTIZED_WEIGHTS_V4
 
-__all__ = ["MXFP4_BYTES_PER_WEIGHT", "fp4_sizes", "quant_backend", "quantized_systems", "quantized_summary"]
+__all__ = [
+    "MXFP4_BYTES_PER_WEIGHT",
+    "expert_kernel_share",
+    "fp4_sizes",
+    "quant_backend",
+    "quantized_systems",
+    "quantized_summary",
+]
 
 FP4_EXPERTS = QUANTIZED_WEIGHTS_V4["mxfp4"]
 FP8_KEPT = QUANTIZED_WEIGHTS_V4["fp8_block"]  # the weights a model keeps FP8; the routed experts among them go FP4
 MXFP4_BYTES_PER_WEIGHT = 0.5 + 1 / 32  # a nibble, and one E8M0 byte per 32
+EXPERT_KERNELS = ("_gate_up_kernel", "_down_kernel")  # kernels/moe.py's grouped GEMMs at decode sizes
 
 
 def _fp8_projection(name: str) -> bool:
@@ -99,4 +107,51 @@ def quantized_summary(decode: dict, token_match) -> dict:
         "note": "token_match: greedy tokens of the timed runs of the FP4-held model and of the same values dequantized "
         "to bf16 (the dequantize-then-GEMM a loader gives other backends); identical where the kernels round as the "
         "reference does (dequantized tile in bf16, float32 accumulation)",
+    }
+
+
+def expert_kernel_share(report: dict) -> dict | None:
+    """From --profile of ours_fp4_dequantized and ours_fp4_experts: how much of a decode step the routed experts'
+    kernels take, and the speedup an FP4 expert kernel running AT its bytes' bound would give with the rest of the
+    step as measured (Amdahl): twin step / (twin step - twin expert kernels + FP4 expert bytes / bandwidth)."""
+    profiles = {(p["system"], p["batch"]): p for p in report.get("profile") or [] if "top" in p}
+    sizes, bw = report["params"], report["measurements"]["copy_bandwidth"]["gb_per_s"] * 1e9
+    fp4_per_expert = fp4_sizes(sizes)["bytes_per_expert"]
+    rows = {}
+    for (system, batch), twin in profiles.items():
+        fp4 = profiles.get(("ours_fp4_experts", batch))
+        if system != "ours_fp4_dequantized" or fp4 is None:
+            continue
+
+        def experts_ms(profile: dict) -> float:
+            return sum(k["ms_per_step"] for k in profile["top"] if k["name"] in EXPERT_KERNELS)
+
+        if not experts_ms(twin):  # a backend whose expert kernels are named otherwise (the cpu one's torch ops)
+            continue
+        touched = report["bound"]["decode"][str(batch)]["expected_experts_touched_per_layer"]
+        fp4_bound = sizes["moe_layers"] * touched * fp4_per_expert / bw * 1e3
+        twin_experts, fp4_experts = experts_ms(twin), experts_ms(fp4)
+        rest = twin["total_ms_per_step"] - twin_experts
+        own = report["bound"].get("decode_fp4_experts", {}).get(str(batch), {}).get("bound_ms")
+        rows[str(batch)] = {
+            "bf16_step_device_ms": twin["total_ms_per_step"],
+            "bf16_expert_kernels_ms": twin_experts,
+            "expert_share_of_bf16_step": twin_experts / twin["total_ms_per_step"],
+            "fp4_step_device_ms": fp4["total_ms_per_step"],
+            "fp4_expert_kernels_ms": fp4_experts,
+            "fp4_expert_kernel_speedup": twin_experts / fp4_experts if fp4_experts else None,
+            "fp4_expert_bytes_bound_ms": fp4_bound,
+            "fp4_expert_kernels_fraction_of_bound": fp4_bound / fp4_experts if fp4_experts else None,
+            "attainable_speedup_with_fp4_experts_at_bound": twin["total_ms_per_step"] / (rest + fp4_bound),
+            "attainable_fraction_of_own_bound": own / (rest + fp4_bound) if own else None,
+        }
+    if not rows:
+        return None
+    return {
+        "note": "device time per decode step from torch.profiler (5 steps); expert kernels: "
+        + ", ".join(EXPERT_KERNELS)
+        + "; attainable_*: with the rest of the step as the bf16-expert model spends it and the FP4 expert kernels "
+        "at their bytes' bound (expected touched experts x MXFP4 bytes / copy bandwidth): what no FP4 expert kernel "
+        "alone can exceed",
+        "by_batch": rows,
     }

@@ -140,6 +140,7 @@ def main(args, argv: list[str] | None) -> int:
     bound.summarise(report, family, cfg, specs)
     if "ours_fp4_experts" in decode:
         _fp4_bound(report, family, cfg, specs)
+        report["quantized"]["expert_kernel_share"] = quant.expert_kernel_share(report)
     if device.type == "cuda":
         report["measurements"]["max_memory_allocated_bytes"] = torch.cuda.max_memory_allocated(device)
     title = f"{family.title}, {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, {_name(dtype)}, {name}"

@@ -56,6 +56,17 @@ from _gpu_runners import (  # noqa: E402
 from deepinfer_core.model.config import DeepseekConfig  # noqa: E402
 from deepinfer_core.model.deepseek_v3 import DeepseekV3Model  # noqa: E402
 
+PROFILED = ("ours_default", "ours_batch_invariant", "ours_fp4_experts", "ours_fp4_dequantized", "ours_fp8_projections",
+            "ours_native")  # fmt: skip
+
+
+def profiled_systems(text: str) -> list[str]:
+    names = [x for x in text.split(",") if x]
+    unknown = [x for x in names if x not in PROFILED]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"unknown system(s) {', '.join(unknown) or '(none)'}; pick from {PROFILED}")
+    return names
+
 
 def parse_args(argv):
     def ints(text: str) -> list[int]:
@@ -99,8 +110,9 @@ def parse_args(argv):
     p.add_argument("--profile", action="store_true", help="torch.profiler: top 25 kernels of our decode steps")
     p.add_argument("--profile-batches", type=ints, help="default 1,64 (tiny 1,4)")
     p.add_argument(
-        "--profile-system", default="ours_default", choices=["ours_default", "ours_batch_invariant"],
-        help="which of our systems --profile profiles",
+        "--profile-system", default="ours_default", type=profiled_systems,
+        help="which of our systems --profile profiles, comma-separated: " + ", ".join(PROFILED) + " (the quantized "
+        "ones with --quantized)",
     )  # fmt: skip
     p.add_argument("--copy-mib", type=int, help="buffer of the copy-bandwidth measurement (default 2048; tiny 16)")
     p.add_argument("--gemm-size", type=int, help="n of the n^3 GEMM peak measurement (default 8192; tiny 256)")

@@ -8,8 +8,9 @@ against the weight-read bound, in one run (issue #18):
 
     python bench/gpu_quant_kernels.py --out bench/results/gpu_quant_kernels_nvidia_h200.json
 
-Several tilings of each are timed: production's in the default mode (`default`: the tiling may follow the rows)
-and in the batch-invariant one (`invariant`: one tiling whatever the rows), and other fixed ones. --tiny: small
+Several tilings of each are timed: production's in the default mode (`default`: the tiling may follow the rows; FP4
+experts at decode sizes: 16-row tiles upcast by quant.mxfp4_upcast) and in the batch-invariant one (`invariant`: one
+tiling whatever the rows; FP4: Triton's dot_scaled), and other fixed ones (FP4: dot_scaled). --tiny: small
 shapes under Triton's interpreter (a CPU smoke run; its times mean nothing).
 """
 
@@ -49,13 +50,9 @@ FFN_TILINGS = {
     "full": {
         "default": None,
         "invariant": None,
-        "bm16_bn128_bk128": (16, 128, 128, 4, 3),
-        "bm16_bk256": (16, 64, 256, 4, 3),
-        "bm64_bk128": (64, 64, 128, 4, 3),
-        "bm16_bn32_bk128": (16, 32, 128, 4, 4),
-        "bm16_bn32_bk256": (16, 32, 256, 4, 3),
-        "bm16_bk128_w8": (16, 64, 128, 8, 4),
-        "bm16_bk64": (16, 64, 64, 4, 4),
+        "dot_scaled_bm16": (16, 64, 128, 4, 4),  # Triton's dot_scaled at the upcast's tiles (the default before)
+        "dot_scaled_bm16_bk256": (16, 64, 256, 4, 3),
+        "dot_scaled_bm64_bk128": (64, 64, 128, 4, 3),
     },
     "tiny": {"default": None, "invariant": None, "bk64": (16, 32, 64, 4, 1)},
 }

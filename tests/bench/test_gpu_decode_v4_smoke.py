@@ -131,8 +131,12 @@ def test_gpu_decode_measures_the_released_weight_formats(tmp_path, monkeypatch, 
     monkeypatch.setattr(quant, "quant_backend", capable)
     out = tmp_path / "q.json"
     args = ["--tiny", "--model", model, "--accelerator", "cpu", "--out", str(out), "--plot", str(tmp_path / "q.png")]
-    assert gpu_decode.main([*args, "--skip-hf", "--skip-batch-invariant", "--prefill-repeats", "1", "--quantized"]) == 0
+    profiled = ["--profile", "--profile-batches", "1", "--profile-system", "ours_fp4_experts,ours_fp4_dequantized"]
+    assert gpu_decode.main([*args, "--skip-hf", "--skip-batch-invariant", "--prefill-repeats", "1", "--quantized",
+                            *profiled]) == 0  # fmt: skip
     report = json.loads(out.read_text())
+    systems = [(p["system"], p["batch"]) for p in report["profile"]]
+    assert systems == [("ours_fp4_experts", 1), ("ours_fp4_dequantized", 1)]
     quantized = report["quantized"]
     assert quantized["measured"] is True
     held = quantized["weight_bytes_by_format"]
@@ -149,3 +153,37 @@ def test_gpu_decode_measures_the_released_weight_formats(tmp_path, monkeypatch, 
         assert quantized["native_speedup_vs_bf16"][b] > 0
         # float32 here, ops dequantizing exactly: the FP4-held model computes its twin's values
         assert quantized["token_match_fp4_vs_dequantized"][b]["identical_token_fraction"] == 1.0
+
+
+def test_expert_kernel_share_is_amdahls_bound_on_the_profiles(monkeypatch):
+    """The attainable speedup of FP4 experts, by hand: a 10 ms bf16-expert step of which 4 ms are the expert kernels,
+    FP4 expert bytes that take 1 ms at the copy bandwidth -> 10 / (6 + 1)."""
+    import importlib
+
+    monkeypatch.syspath_prepend(str(SCRIPT.parent))
+    quant = importlib.import_module("_gpu_v4_quant")
+    per_expert = 1e9 / quant.MXFP4_BYTES_PER_WEIGHT  # params: 1 GB of MXFP4 an expert
+    kernels = [{"name": "_gate_up_kernel", "ms_per_step": 3.0}, {"name": "_down_kernel", "ms_per_step": 1.0},
+               {"name": "attention", "ms_per_step": 6.0}]  # fmt: skip
+    fp4_kernels = [{**k, "ms_per_step": k["ms_per_step"] / 2 if k["name"] != "attention" else 6.0} for k in kernels]
+    report = {
+        "profile": [
+            {"system": "ours_fp4_dequantized", "batch": 4, "total_ms_per_step": 10.0, "top": kernels},
+            {"system": "ours_fp4_experts", "batch": 4, "total_ms_per_step": 8.0, "top": fp4_kernels},
+        ],
+        "params": {"params_per_expert": per_expert, "moe_layers": 2, "bytes_per_expert": 2 * per_expert},
+        "measurements": {"copy_bandwidth": {"gb_per_s": 4000.0}},  # 4 GB/ms
+        "bound": {
+            "decode": {"4": {"expected_experts_touched_per_layer": 2.0}},
+            "decode_fp4_experts": {"4": {"bound_ms": 3.5}},
+        },  # fmt: skip
+    }
+    row = quant.expert_kernel_share(report)["by_batch"]["4"]
+    assert row["expert_share_of_bf16_step"] == pytest.approx(0.4)
+    assert row["fp4_expert_kernel_speedup"] == pytest.approx(2.0)
+    assert row["fp4_expert_bytes_bound_ms"] == pytest.approx(1.0)  # 2 layers x 2 experts x 1 GB / 4 GB per ms
+    assert row["fp4_expert_kernels_fraction_of_bound"] == pytest.approx(0.5)
+    assert row["attainable_speedup_with_fp4_experts_at_bound"] == pytest.approx(10 / 7)
+    assert row["attainable_fraction_of_own_bound"] == pytest.approx(3.5 / 7)
+    report["profile"][0]["top"] = kernels[2:]  # no expert kernels by these names: nothing to say
+    assert quant.expert_kernel_share(report) is None

@@ -116,18 +116,19 @@ def _tiles(dtype: torch.dtype, size: str) -> tuple[int, int, int, int, int]:
         return 64, 32, 32, 4, 2
     if size == "large":
         return 128, 128, 64, 8, 3
-    if size == "small":  # MXFP4 through dot_scaled at decode sizes: 16-row tiles waste less upcasting
+    if size == "small":  # MXFP4 upcast at decode sizes: 16-row tiles waste less upcasting
         return 16, 64, 128, 4, 4
     return 64, 64, 64, 4, 4
 
 
 LARGE_ROWS_PER_EXPERT = 512  # from here on the 128 x 128 tiles win (compute-bound, prefill-sized)
-SMALL_ROWS_PER_EXPERT = 16  # MXFP4 (dot_scaled) below this: 16-row tiles (each row tile upcasts its weights again)
+SMALL_ROWS_PER_EXPERT = 16  # MXFP4 below this: 16-row tiles (each row tile upcasts its weights again)
 
 
-def _weight_args(w, dtype: torch.dtype) -> WeightArgs:
-    """A dense, BlockFP8 or MXFP4 expert weight [E, N, K] as the kernels take it for `dtype` activations, contiguous."""
-    args = for_activations(weight_args(w), dtype)
+def _weight_args(w, dtype: torch.dtype, small: bool) -> WeightArgs:
+    """A dense, BlockFP8 or MXFP4 expert weight [E, N, K] as the kernels take it for `dtype` activations in `small`
+    tiles or not, contiguous."""
+    args = for_activations(weight_args(w), dtype, small)
     return args._replace(
         values=args.values.contiguous(), scales=None if args.scales is None else args.scales.contiguous()
     )
@@ -160,13 +161,14 @@ def expert_ffn(
     if rows == 0:
         return out
     x = x.contiguous()
-    g13, g2 = _weight_args(w13, x.dtype), _weight_args(w2, x.dtype)
     act = torch.empty((rows, inner), dtype=x.dtype, device=x.device)
     # (narrower 32-column tiles for fewer rows than experts were tried: 0.2 ms slower per step at batch 1 on
     # the H200, bench/README.md)
     size = "large" if not fixed_tiles and rows >= LARGE_ROWS_PER_EXPERT * experts else "fixed"
-    if not fixed_tiles and g13.format == MXFP4_SCALED_DOT and rows < SMALL_ROWS_PER_EXPERT * experts:
+    fp4_rows = for_activations(weight_args(w13), x.dtype).format == MXFP4_SCALED_DOT
+    if not fixed_tiles and fp4_rows and rows < SMALL_ROWS_PER_EXPERT * experts:
         size = "small"
+    g13, g2 = _weight_args(w13, x.dtype, size == "small"), _weight_args(w2, x.dtype, size == "small")
     dense = g13.format == DENSE and g2.format == DENSE
     if tiles is None and size == "large" and dense and _torch_grouped_mm_takes(x, g13.values, g2.values):
         return _torch_grouped_ffn(x, _counts_on(tokens_per_expert, x), g13.values, g2.values, swiglu_limit, row_scales)
