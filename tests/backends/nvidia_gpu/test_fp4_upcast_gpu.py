@@ -18,7 +18,7 @@ from deepinfer_core.backend.ops import MXFP4  # noqa: E402
 from deepinfer_core.kv.formats import e2m1_values  # noqa: E402
 from deepinfer_nvidia_sm100.kernels import moe, quant  # noqa: E402
 
-SCALE_BYTES = (0, 1, 2, 100, 126, 127, 128, 200, 254)
+SCALE_BYTES = (0, 1, 2, 3, 64, 100, 120, 126, 127, 128, 129, 150, 200, 250, 253, 254)  # 16: a power of two of bytes
 
 
 @triton.jit

@@ -2,7 +2,8 @@
 
 The row tiles of each expert are found inside the kernel from `tokens_per_expert` (a device tensor),
 so nothing is read back to the host and the launch is capturable in a device graph: the grid has
-cdiv(rows, BM) + E row tiles, an upper bound on the tiles the experts need, and the spare ones exit.
+cdiv(rows, BM) + min(E, rows) row tiles, an upper bound on the tiles the experts need (each expert with rows adds
+at most one part-filled tile, and at most `rows` experts have any), and the spare ones exit.
 The first GEMM fuses the SiLU-and-multiply epilogue (gate and up columns in one program; with V4's
 swiglu_limit the clamp too, a constexpr specialisation, so no limit costs nothing; with V4.1's row scales
 the routing weight too, another one); the second maps back to the hidden size. A row's result depends on
@@ -175,7 +176,7 @@ def expert_ffn(
     bm, bn, bk, warps, stages = tiles or _tiles(x.dtype, size)
     check_tiles(g13, bk)
     check_tiles(g2, bk)
-    row_tiles = triton.cdiv(rows, bm) + experts
+    row_tiles = triton.cdiv(rows, bm) + min(experts, rows)  # at decode sizes far fewer than E (V4 Flash: 256)
     common = dict(F32=dot_in_float32(x.dtype), BE=next_pow2(experts), BM=bm, BN=bn, BK=bk, num_warps=warps)
     if not INTERPRET:
         common["num_stages"] = stages
