@@ -174,7 +174,7 @@ def test_expert_kernel_share_is_amdahls_bound_on_the_profiles(monkeypatch):
         "params": {"params_per_expert": per_expert, "moe_layers": 2, "bytes_per_expert": 2 * per_expert},
         "measurements": {"copy_bandwidth": {"gb_per_s": 4000.0}},  # 4 GB/ms
         "bound": {
-            "decode": {"4": {"expected_experts_touched_per_layer": 2.0}},
+            "decode": {"4": {"expected_experts_touched_per_layer": 2.0, "bound_ms": 7.0}},
             "decode_fp4_experts": {"4": {"bound_ms": 3.5}},
         },  # fmt: skip
     }
@@ -185,5 +185,6 @@ def test_expert_kernel_share_is_amdahls_bound_on_the_profiles(monkeypatch):
     assert row["fp4_expert_kernels_fraction_of_bound"] == pytest.approx(0.5)
     assert row["attainable_speedup_with_fp4_experts_at_bound"] == pytest.approx(10 / 7)
     assert row["attainable_fraction_of_own_bound"] == pytest.approx(3.5 / 7)
+    assert row["speedup_with_every_kernel_at_bound"] == pytest.approx(7.0 / 3.5)
     report["profile"][0]["top"] = kernels[2:]  # no expert kernels by these names: nothing to say
     assert quant.expert_kernel_share(report) is None
