@@ -59,7 +59,7 @@ from deepinfer_core.engine.stops import find_stop, held_back
 from deepinfer_core.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from deepinfer_core.errors import RequestError
 from deepinfer_core.sampling.params import SamplingParams
-from deepinfer_core.structured import GrammarCompiler, StructuredOutputsParams, StructuredOutputStats
+from deepinfer_core.structured import GrammarCompiler, StructuredOutputStats
 
 __all__ = ["Engine", "EngineConfig", "RequestError"]  # EngineConfig: engine/config.py
 
@@ -171,8 +171,8 @@ class Engine:
                 f"max_tokens {params.max_tokens}) but the cache holds {capacity}; lower max_tokens "
                 f"or give the engine more KV memory"
             )
-        if params.structured_outputs is not None:
-            self._check_structured_outputs(params.structured_outputs)
+        if params.structured_outputs is not None:  # compiled (or found cached) before admission
+            self.structured_compiler().grammar(params.structured_outputs)
         samples = self._samples(request_id, text, token_ids, params, needed)
         group = RequestGroup(request_id, text, params, samples)
         if params.prompt_logprobs is not None:
@@ -191,8 +191,9 @@ class Engine:
         """Compile and mask timings of structured outputs (None until a request asked for them)."""
         return self._grammars.stats if self._grammars is not None else None
 
-    def _check_structured_outputs(self, wanted: StructuredOutputsParams) -> None:
-        """Compile (or find cached) a request's grammar before it is admitted: a bad one is a RequestError."""
+    def structured_compiler(self) -> GrammarCompiler:
+        """Structured outputs' grammar compiler for this engine's tokenizer (made at the first call); a
+        RequestError where structured outputs cannot run."""
         if self.spec_stats is not None:
             raise RequestError(
                 "structured outputs are not supported with speculative decoding yet: send the request without "
@@ -204,7 +205,7 @@ class Engine:
             vocab = self.model.config.vocab_size
             self._grammars = GrammarCompiler(self.tokenizer.to_json(), vocab, self.eos_token_ids)
             self.runner.structured_stats = self._grammars.stats
-        self._grammars.grammar(wanted)
+        return self._grammars
 
     def _samples(
         self, request_id: str, text: str | None, token_ids: list[int], params: SamplingParams, max_num_tokens: int

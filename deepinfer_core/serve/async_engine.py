@@ -23,10 +23,14 @@ from deepinfer_core.errors import DeepInferError
 from deepinfer_core.sampling.params import SamplingParams
 from deepinfer_core.serve import request_log
 from deepinfer_core.serve.metrics import ServerMetrics
+from deepinfer_core.structured import StructuredOutputError, StructuredOutputsParams
 
 __all__ = ["AsyncEngine", "EngineFailure", "Overloaded", "ShuttingDown"]
 
 log = logging.getLogger(__name__)
+
+
+GRAMMAR_TIMEOUT_S = 30.0  # the longest a request's structured-output grammar may take to compile
 
 
 class Overloaded(DeepInferError):
@@ -95,6 +99,7 @@ class AsyncEngine:
     def __init__(self, engine: Engine, max_waiting: int = 512, metrics: ServerMetrics | None = None) -> None:
         self.engine = engine
         self.max_waiting = max_waiting
+        self.grammar_timeout_s = GRAMMAR_TIMEOUT_S
         self.metrics = metrics  # set by build_app when not given here
         self._adds: list[_Add] = []
         self._aborts: list[str] = []
@@ -152,6 +157,19 @@ class AsyncEngine:
                 self._wakeup.set()
                 if admitted:
                     flight.finish("abort", time.monotonic(), self.metrics)
+
+    async def compile_structured(self, wanted: StructuredOutputsParams) -> None:
+        """Compile a request's structured-output grammar in a worker thread (the engine loop and other requests
+        go on), at most GRAMMAR_TIMEOUT_S: the request's admission then finds it cached. Raises the compiler's
+        StructuredOutputError, or one saying it took too long."""
+        compiler = await asyncio.to_thread(self.engine.structured_compiler)
+        try:
+            await asyncio.wait_for(asyncio.to_thread(compiler.grammar, wanted), self.grammar_timeout_s)
+        except TimeoutError:
+            raise StructuredOutputError(
+                f"the structured-output constraint did not compile within {self.grammar_timeout_s:g} s; "
+                "simplify the schema or grammar"
+            ) from None
 
     def end_all(self, reason: str) -> None:
         """End every request now, and refuse new ones: each handler's next read raises ShuttingDown(reason)

@@ -24,6 +24,7 @@ from deepinfer_core.serve.completion_choices import ChoiceStream, Prompt, final_
 from deepinfer_core.serve.errors import ApiError
 from deepinfer_core.serve.prompt_encoding import check_prompt_fits
 from deepinfer_core.serve.state import ServerState
+from deepinfer_core.serve.structured_fields import check_compiles, constraint_field
 
 __all__ = ["run_completions"]
 
@@ -210,6 +211,8 @@ async def _merged(iterators: list[AsyncIterator[RequestOutput]]) -> AsyncIterato
 async def run_completions(state: ServerState, body: dict):
     """-> ("stream", SSE text iterator) or ("json", body text). Raises ApiError."""
     request = await asyncio.to_thread(parse, state, body)
+    for wanted in {p.structured_outputs for p in request.params}:  # one constraint for every prompt
+        await check_compiles(state.engine, wanted, constraint_field(body, "completions"))
     request_id, created = "cmpl-" + uuid.uuid4().hex, int(time.time())
     iterators = await _start(state, request_id, request)
 

@@ -183,26 +183,11 @@ def _one(value: Any) -> bool:
     return value is None or (value == 1 and not isinstance(value, bool))
 
 
-def _text_format(value: Any) -> bool:
-    return value is None or (isinstance(value, dict) and value.get("type") == "text")
-
-
-def _no_format(value: Any) -> bool:  # Messages' `output_config: {"format": {...}, "effort": ...}`
-    return not isinstance(value, dict) or value.get("format") is None
-
-
-def _text_config(value: Any) -> bool:  # Responses' `text: {"format": {...}, "verbosity": ...}`
-    return not isinstance(value, dict) or _text_format(value.get("format"))
-
-
 _GUIDED = (
     'the guided_* fields are vLLM\'s older spelling; send structured_outputs ({"json": SCHEMA}, {"regex": ...}, '
     '{"choice": [...]}, {"grammar": ...}) or response_format instead'
 )
-_JSON_MODE = (
-    "structured output is not available on this route yet: only the text format; use response_format on "
-    "/v1/chat/completions or structured_outputs on /v1/completions"
-)
+_FORMAT_FIELD = "structured_outputs is vLLM's field for chat and completions; this protocol's is {field}"
 _GUIDED_FIELDS = (
     "guided_json", "guided_regex", "guided_choice", "guided_grammar", "guided_decoding_backend",
     "guided_whitespace_pattern",
@@ -234,8 +219,7 @@ REFUSED: dict[str, dict[str, Refusal]] = {
         "n": Refusal(_one, _ONE_ANSWER),
         "best_of": Refusal(_absent, "best_of is not available here; use /v1/completions"),
         "prompt_logprobs": Refusal(_absent, "prompt_logprobs is not available here; use /v1/completions"),
-        "text": Refusal(_text_config, _JSON_MODE, param="text.format"),
-        "structured_outputs": Refusal(_absent, _JSON_MODE),
+        "structured_outputs": Refusal(_absent, _FORMAT_FIELD.format(field="text.format")),
         "previous_response_id": Refusal(_absent, f"{_STATELESS}; send the whole conversation in input"),
         "conversation": Refusal(_absent, f"{_STATELESS}; send the whole conversation in input"),
         "store": Refusal(_false, f"{_STATELESS}; leave store out or set it to false"),
@@ -246,9 +230,7 @@ REFUSED: dict[str, dict[str, Refusal]] = {
         "n": Refusal(_one, _ONE_ANSWER),
         "best_of": Refusal(_absent, "best_of is not available here; use /v1/completions"),
         "prompt_logprobs": Refusal(_absent, "prompt_logprobs is not available here; use /v1/completions"),
-        "output_format": Refusal(_absent, _JSON_MODE),  # the structured-outputs beta's spelling
-        "output_config": Refusal(_no_format, _JSON_MODE, param="output_config.format"),
-        "structured_outputs": Refusal(_absent, _JSON_MODE),
+        "structured_outputs": Refusal(_absent, _FORMAT_FIELD.format(field="output_config.format")),
     },
     "completions": {
         **_COMMON,
@@ -256,8 +238,8 @@ REFUSED: dict[str, dict[str, Refusal]] = {
     },
 }
 # a request's output constraint (deepseek-recipe's OutputConstraint.kind) that only structured outputs can
-# enforce, and the field that asked for it (refused where the route does not build one yet); tool-call
-# constraints are not refused: the prompt opens the tool-call block and the parser reads it
+# enforce, and the field that asked for it: refused if structured_fields.py did not read one from the body (a
+# safety net: it reads every route's); tool-call constraints become tool-call grammars (structured_fields.py)
 CONSTRAINT_FIELDS = {"chat": "response_format", "responses": "text.format", "messages": "output_config.format"}
 GUIDED_CONSTRAINTS = ("json", "regex")
 

@@ -17,7 +17,7 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import deepseek_recipe as dr
 
@@ -28,7 +28,12 @@ from deepinfer_core.serve.errors import ApiError, from_conversion_error, invalid
 from deepinfer_core.serve.prompt_encoding import check_prompt_fits
 from deepinfer_core.serve.recipe_input import StopGate, inference_chunks
 from deepinfer_core.serve.state import ServerState
-from deepinfer_core.serve.structured_fields import structured_outputs_from_body
+from deepinfer_core.serve.structured_fields import (
+    check_compiles,
+    constraint_field,
+    structured_outputs_from_body,
+    tool_call_outputs,
+)
 from deepinfer_core.serve.tool_choice import check_tool_choice
 
 __all__ = ["PROTOCOLS", "Protocol", "encode_prompt", "parse_request", "run_protocol"]
@@ -56,6 +61,7 @@ PROTOCOLS = {
 }
 
 _FINISH = {"stop": dr.InferenceFinishReason.Stop, "length": dr.InferenceFinishReason.Length}
+_REASONING_FIRST = (dr.ThinkingInitialStage.ReasoningStart, dr.ThinkingInitialStage.ReasoningContinuation)
 
 
 @dataclass
@@ -144,6 +150,7 @@ def _prepare(state: ServerState, protocol: Protocol, body: dict, request_id: str
     if constraint is not None and constraint.kind in fields.GUIDED_CONSTRAINTS and params.structured_outputs is None:
         param = fields.CONSTRAINT_FIELDS[protocol.route]
         raise ApiError(400, f"unsupported parameter {param}: only text output is supported here", param=param)
+    params = replace(params, structured_outputs=_constraint(state, body, protocol.route, conv, params))
     make = protocol.request_cls.chunk_generator
     generators = [make(conv, request_id, state.served_model_name) for _ in range(params.n)]
     if extras:
@@ -162,6 +169,17 @@ def _prepare(state: ServerState, protocol: Protocol, body: dict, request_id: str
         generated=[0] * params.n,
         stop_strings=[None] * params.n,
     )
+
+
+def _constraint(state: ServerState, body: dict, route: str, conv, params: SamplingParams):
+    """The request's structured output: the one it asks for, or the tool calls it forces / declares strict; in
+    thinking mode held from the end of the reasoning on."""
+    wanted = params.structured_outputs or tool_call_outputs(body, route, conv)
+    if wanted is not None and conv.parsing_options.thinking_initial_stage in _REASONING_FIRST:
+        if state.thinking_end_id is None:
+            raise ApiError(400, "structured outputs in thinking mode need the tokenizer's end-of-thinking token")
+        wanted = replace(wanted, reasoning_end_token_id=state.thinking_end_id)
+    return wanted
 
 
 def _stream_options(body: dict) -> dict:
@@ -360,6 +378,7 @@ async def run_protocol(state: ServerState, protocol: Protocol, body: dict):
     """-> ("stream", async iterator of SSE text) or ("json", response JSON text). Raises ApiError."""
     request_id = protocol.id_prefix + uuid.uuid4().hex
     prepared = await asyncio.to_thread(_prepare, state, protocol, body, request_id)
+    await check_compiles(state.engine, prepared.params.structured_outputs, constraint_field(body, protocol.route))
     usage: dict = {}
     chunks = _protocol_chunks(state, prepared, request_id, usage)
     try:

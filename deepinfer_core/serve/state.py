@@ -39,10 +39,14 @@ class ServerState:
     # the most bytes of text one token stands for (None: no bound), for refusing before encoding a prompt
     # that cannot fit the context
     max_token_bytes: int | None = field(init=False)
+    # the end-of-thinking token: a thinking-mode answer's constraint (structured outputs) holds after it
+    thinking_end_id: int | None = field(init=False)
 
     def __post_init__(self) -> None:
         self.droppable_special_ids = droppable_special_ids(self.tokenizer, self.recipe_tokenizer, self.options)
         self.max_token_bytes = self.tokenizer.max_token_bytes()
+        end = self.tokenizer.encode(self.options.special_tokens.token(dr.SpecialToken.ThinkingEnd), False)
+        self.thinking_end_id = end[0] if len(end) == 1 else None
 
     @property
     def kv_capacity_tokens(self) -> int:

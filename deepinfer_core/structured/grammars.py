@@ -24,7 +24,7 @@ from deepinfer_core.sampling.bitmask import bitmask_width
 from deepinfer_core.structured.params import StructuredOutputsParams
 from deepinfer_core.structured.stats import StructuredOutputStats
 
-__all__ = ["GrammarCompiler", "GrammarState", "StructuredOutputError"]
+__all__ = ["GrammarCompiler", "GrammarState", "StructuredOutputError", "after_reasoning"]
 
 
 class StructuredOutputError(RequestError):
@@ -91,10 +91,24 @@ class GrammarCompiler:
                 grammar = self._llg.grammar_from("grammar", params.grammar)
         except (ValueError, TypeError) as err:
             raise StructuredOutputError(f"structured outputs' {kind} cannot be compiled: {err}") from None
+        if params.reasoning_end_token_id is not None:
+            grammar = after_reasoning(grammar, params.reasoning_end_token_id)
         error = llg.validate_grammar(grammar, self.tokenizer)
         if error:
             raise StructuredOutputError(f"structured outputs' {kind} is not valid: {error.strip()}")
         return grammar
+
+
+def after_reasoning(grammar: str, end_token: int) -> str:
+    """`grammar` (llguidance's JSON form or Lark text) behind free text that ends with token `end_token`: a
+    thinking-mode answer, constrained once its reasoning is over. (The end of thinking is a special token, which
+    no text matches; so the reasoning is a plain greedy lexeme.)"""
+    if grammar.lstrip().startswith("{"):
+        body = json.loads(grammar)["grammars"][0]
+    else:
+        body = {"lark_grammar": grammar}
+    main = {"name": "main", "lark_grammar": f"start: reasoning @body\nreasoning: /(?s:.*)/ <[{end_token}]>\n"}
+    return json.dumps({"grammars": [main, {**body, "name": "body"}]})
 
 
 class GrammarState:

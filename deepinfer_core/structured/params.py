@@ -27,7 +27,10 @@ class StructuredOutputsParams:
 
     disable_any_whitespace (default True, vLLM's option of that name, default False there): JSON comes out compact,
     no whitespace between tokens, because a weak model allowed free whitespace can spend its whole budget on it;
-    False lets the model place whitespace where JSON allows it."""
+    False lets the model place whitespace where JSON allows it.
+
+    reasoning_end_token_id: set by the server for a reasoning (thinking-mode) request: the output is free text up
+    to this token (the end of thinking), and the constraint holds after it; None: from the first token."""
 
     json: Mapping[str, Any] | str | None = None
     regex: str | None = None
@@ -35,6 +38,7 @@ class StructuredOutputsParams:
     grammar: str | None = None
     json_object: bool | None = None
     disable_any_whitespace: bool = True
+    reasoning_end_token_id: int | None = None
 
     def __post_init__(self) -> None:
         given = [kind for kind in _KINDS if getattr(self, kind) not in (None, False)]
@@ -55,6 +59,9 @@ class StructuredOutputsParams:
         if self.choice is not None:
             if isinstance(self.choice, str) or not all(isinstance(c, str) for c in self.choice) or not self.choice:
                 raise RequestError("structured outputs' choice must be a non-empty list of strings")
+        end = self.reasoning_end_token_id
+        if end is not None and (not isinstance(end, int) or isinstance(end, bool) or end < 0):
+            raise RequestError(f"structured outputs' reasoning_end_token_id must be a token id, got {end!r}")
         for name in ("regex", "grammar"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value):
@@ -64,8 +71,9 @@ class StructuredOutputsParams:
     def kind(self) -> str:
         return next(kind for kind in _KINDS if getattr(self, kind) not in (None, False))
 
-    def key(self) -> tuple[str, str, bool]:
-        """A hashable identity: (kind, canonical text, compact) — requests with equal keys share a grammar."""
+    def key(self) -> tuple[str, str, bool, int | None]:
+        """A hashable identity: (kind, canonical text, compact, reasoning end) — requests with equal keys share a
+        grammar."""
         kind = self.kind
         if kind == "json":
             text = json.dumps(json.loads(self.json) if isinstance(self.json, str) else self.json, sort_keys=True)
@@ -75,4 +83,4 @@ class StructuredOutputsParams:
             text = ""
         else:
             text = getattr(self, kind)
-        return kind, text, self.disable_any_whitespace
+        return kind, text, self.disable_any_whitespace, self.reasoning_end_token_id

