@@ -1,8 +1,9 @@
 """Structured outputs over HTTP with the official openai client against a live server on the demo model (random
 weights: only the constraint makes its output valid): Chat Completions' response_format (json_schema from a
 pydantic model through `parse`, json_object), vLLM's structured_outputs on chat and completions (regex, choice),
-streamed and not; malformed or invalid constraints are 400s naming the field, and the routes that cannot
-constrain yet refuse by name."""
+streamed and not; malformed or invalid constraints are 400s naming the field; Responses and Messages refuse vLLM's
+object by name (their own format fields work: test_tool_calls_api.py); 100 concurrent streams, constrained and
+not, all correct."""
 
 from __future__ import annotations
 
@@ -125,3 +126,59 @@ def test_compile_and_mask_times_are_histograms(openai_client, server):
     after_compiled, after_masked = counts()
     assert after_compiled == compiled + 1  # a new schema: one compile
     assert after_masked >= masked + len(choice.message.content) // 8  # a mask per constrained token at least
+
+
+def test_a_hundred_concurrent_streams_constrained_and_not(server):
+    """100 streams at once, a quarter each: JSON Schema (response_format), regex (structured_outputs), a forced tool
+    call, and unconstrained text; every constrained one validates, the unconstrained ones run to their limit, and
+    the server logs no traceback."""
+    import asyncio
+
+    clock = {"type": "object", "properties": {"zone": {"type": "string", "enum": ["utc", "cet"]}}, "required": ["zone"],
+             "additionalProperties": False}  # fmt: skip
+    phone = r"[0-9]{3}-[0-9]{4}"
+
+    async def one(client, i: int) -> tuple[str, str | None, str]:
+        kind = ("json", "regex", "tool", "free")[i % 4]
+        extra: dict = {}
+        if kind == "json":
+            extra = {"response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": clock}}}
+        elif kind == "regex":
+            extra = {"extra_body": {"structured_outputs": {"regex": phone}}}
+        elif kind == "tool":
+            tool = {"type": "function", "function": {"name": "clock", "parameters": clock, "strict": True}}
+            extra = {"tools": [tool], "tool_choice": "required", "parallel_tool_calls": False}
+        stream = await client.chat.completions.create(
+            model=MODEL, messages=MESSAGES, max_tokens=60 if kind != "free" else 12, temperature=1.0, seed=i,
+            stream=True, **extra,
+        )  # fmt: skip
+        text, arguments, finish = "", "", None
+        async for chunk in stream:
+            if not chunk.choices:
+                continue
+            delta = chunk.choices[0].delta
+            text += delta.content or ""
+            for call in delta.tool_calls or []:
+                arguments += call.function.arguments or ""
+            finish = chunk.choices[0].finish_reason or finish
+        return kind, finish, arguments if kind == "tool" else text
+
+    async def run_all() -> list:
+        client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=300)
+        try:
+            return await asyncio.gather(*(one(client, i) for i in range(100)))
+        finally:
+            await client.close()
+
+    results = asyncio.run(run_all())
+    for kind, finish, out in results:
+        if kind == "json":
+            assert finish == "stop" and json.loads(out)["zone"] in ("utc", "cet"), out
+        elif kind == "regex":
+            assert finish == "stop" and re.fullmatch(phone, out), out
+        elif kind == "tool":
+            assert finish == "tool_calls" and json.loads(out)["zone"] in ("utc", "cet"), out
+        else:
+            assert finish == "length" and out, out
+    assert sum(1 for kind, _, out in results if kind == "free" and not out.startswith("{")) >= 20
+    server.assert_no_tracebacks()
