@@ -312,8 +312,9 @@ class ModelRunner:
             grammars = [sampled[i].grammar for i in constrained]
             seen = apply_grammars(self.sampler, seen, constrained, grammars, self.structured_stats)
         output = self.sampler.sample(seen, sampling)
-        if masked_rows or constrained:
-            raw_rows = sorted(set(masked_rows) | set(constrained))
+        # the raw (unmasked) logprobs where they are reported: logprobs asked for, or best_of's ranking
+        raw_rows = [i for i in sorted(set(masked_rows) | set(constrained)) if _reports_logprobs(sampled[i].params)]
+        if raw_rows:
             output = with_raw_logprobs(output, logits, to_device(raw_rows, self.device))
         if self.rejection and batch.draft_offsets:
             output = self._rejection(batch, logits, seen, sampling, output)
@@ -387,3 +388,8 @@ class ModelRunner:
             accepted, d.position_limit, self.block_size,
         )  # fmt: skip
         return self.drafter.draft(inputs, caches, self.num_draft_tokens)
+
+
+def _reports_logprobs(params) -> bool:
+    """Whether a sequence's token logprobs are read: asked for, or summed to rank best_of's samples."""
+    return params.logprobs is not None or params.best_of is not None
