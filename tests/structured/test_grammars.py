@@ -135,3 +135,16 @@ def test_equal_constraints_compile_once(compiler, monkeypatch):
     compiler.grammar(StructuredOutputsParams(json=json.dumps(dict(reversed(list(schema.items()))))))
     compiler.grammar(StructuredOutputsParams(json=schema, disable_any_whitespace=False))  # another grammar
     assert len(calls) == 2
+
+
+def test_states_of_one_grammar_walk_independently(compiler, tokenizer):
+    """Each sequence's state is a copy of the cached start: advancing one moves neither the others nor the start."""
+    params = StructuredOutputsParams(choice=["alpha", "beta"])
+    first, second = compiler.state(params), compiler.state(params)
+    alpha, beta = (tokenizer.encode(word, add_special_tokens=False) for word in ("alpha", "beta"))
+    for token in alpha:
+        assert first.accept(token)
+    assert first.accept(tokenizer.eos_token_id) and first.finished
+    for token in beta:  # untouched by the first (finished after "alpha"): still at the start
+        assert second.accept(token)
+    assert compiler.state(params).accept(alpha[0])  # a new state starts at the start too
