@@ -174,51 +174,39 @@ def mxfp4_halves(
 # the 4 high-nibble ones ($2, $3). Per pair of bytes: spread to 16-bit lanes (prmt), place each code's magnitude
 # at bf16 bits 6-8 and its sign at 15 (the bf16 whose bits these are is the value x 2^-126, 0.5 a subnormal),
 # x 2^126 and x the scale 2^(s - 127) (bits s << 7, 2^-127 for s = 0) in bf16x2 FMAs with -0: exact.
-_UPCAST_ASM = tl.constexpr("""
-{
+def _nibble_pair(shift_magnitude: int, shift_sign: int, out: str) -> str:
+    """PTX: one nibble of each byte in t's two 16-bit lanes -> the bf16 pair of its values x the scales sc, in out."""
+    return f"""shl.b32 x, t, {shift_magnitude};
+and.b32 x, x, 0x01C001C0;
+shl.b32 y, t, {shift_sign};
+and.b32 y, y, 0x80008000;
+or.b32 v, x, y;
+fma.rn.bf16x2 v, v, c, nz;
+fma.rn.bf16x2 {out}, v, sc, nz;
+"""
+
+
+def _byte_pair(selector: str, low_out: str, high_out: str) -> str:
+    """PTX: bytes `selector` picks of $4 (codes) and $5 (scales) -> their low-nibble and high-nibble bf16 pairs."""
+    return f"""prmt.b32 t, $4, z, {selector};
+prmt.b32 s, $5, z, {selector};
+shl.b32 sc, s, 7;
+max.u16x2 sc, sc, lo;
+{_nibble_pair(6, 12, low_out)}{_nibble_pair(2, 8, high_out)}"""
+
+
+_UPCAST_ASM = tl.constexpr(
+    """{
 .reg .b32 z, c, nz, lo, t, s, sc, x, y, v;
 mov.b32 z, 0;
 mov.b32 lo, 0x00400040;
 mov.b32 c, 0x7E807E80;
 mov.b32 nz, 0x80008000;
-prmt.b32 t, $4, z, 0x4140;
-prmt.b32 s, $5, z, 0x4140;
-shl.b32 sc, s, 7;
-max.u16x2 sc, sc, lo;
-shl.b32 x, t, 6;
-and.b32 x, x, 0x01C001C0;
-shl.b32 y, t, 12;
-and.b32 y, y, 0x80008000;
-or.b32 v, x, y;
-fma.rn.bf16x2 v, v, c, nz;
-fma.rn.bf16x2 $0, v, sc, nz;
-shl.b32 x, t, 2;
-and.b32 x, x, 0x01C001C0;
-shl.b32 y, t, 8;
-and.b32 y, y, 0x80008000;
-or.b32 v, x, y;
-fma.rn.bf16x2 v, v, c, nz;
-fma.rn.bf16x2 $2, v, sc, nz;
-prmt.b32 t, $4, z, 0x4342;
-prmt.b32 s, $5, z, 0x4342;
-shl.b32 sc, s, 7;
-max.u16x2 sc, sc, lo;
-shl.b32 x, t, 6;
-and.b32 x, x, 0x01C001C0;
-shl.b32 y, t, 12;
-and.b32 y, y, 0x80008000;
-or.b32 v, x, y;
-fma.rn.bf16x2 v, v, c, nz;
-fma.rn.bf16x2 $1, v, sc, nz;
-shl.b32 x, t, 2;
-and.b32 x, x, 0x01C001C0;
-shl.b32 y, t, 8;
-and.b32 y, y, 0x80008000;
-or.b32 v, x, y;
-fma.rn.bf16x2 v, v, c, nz;
-fma.rn.bf16x2 $3, v, sc, nz;
-}
-""")
+"""
+    + _byte_pair("0x4140", "$0", "$2")  # bytes 0, 1 -> lanes 0, 1
+    + _byte_pair("0x4342", "$1", "$3")  # bytes 2, 3
+    + "}"
+)
 
 
 @triton.jit
