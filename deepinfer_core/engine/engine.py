@@ -266,10 +266,9 @@ class Engine:
 
     def _pipelines(self, step: LaunchedStep) -> bool:
         """Whether the next step may be planned while `step` runs. Without drafts, always: the next step finds each
-        request's newest token on the device. Speculating, where `step` lets it (LaunchedStep.pipelines_drafts).
-        Never when `step` samples a structured-output request: its next mask needs the token on the host."""
-        if any(request.grammar is not None for request in step.sampled):
-            return False
+        request's newest token on the device (a structured-output request's next mask waits for its token on the
+        host: the runner calls `step.advance_grammars` between the next step's model and its sampling). Speculating,
+        where `step` lets it (LaunchedStep.pipelines_drafts)."""
         return self.spec_stats is None or step.pipelines_drafts()
 
     def _launch(self) -> LaunchedStep | None:
@@ -286,7 +285,10 @@ class Engine:
         needed = None  # as the runner computes it for the step: a snapshot is whole from there on
         if self.snapshots is not None:
             needed = [first_needed(r, self.blocks.block_size, True) for r, _ in scheduled.requests]
-        launched = LaunchedStep(scheduled, self.runner.execute(scheduled.requests, in_flight))
+        grammars = None  # the in-flight step's tokens reach its grammars while this step's model runs
+        if self._in_flight is not None and any(r.grammar is not None for r in self._in_flight.sampled):
+            grammars = self._in_flight.advance_grammars
+        launched = LaunchedStep(scheduled, self.runner.execute(scheduled.requests, in_flight, grammars))
         for row, (request, count) in enumerate(scheduled.requests):
             request.num_computed_tokens += count - len(request.draft_token_ids)  # drafts: once accepted
             self.blocks.cache_full_blocks(request)  # blocks whose tokens are all known on the host
@@ -339,7 +341,7 @@ class Engine:
             new_text, new_tokens = "", []
             for r in rows[: accepted + 1]:  # the accepted drafts are the tokens sampled at their positions
                 new_tokens.append(results.token_ids[r])
-                new_text += self._append_token(request, results, r)
+                new_text += self._append_token(request, results, r, step.grammar_accepted.get(request))
                 if request.finished:
                     break
             request.draft_token_ids = []
@@ -365,11 +367,14 @@ class Engine:
         self._observe_step(step)
         return outputs
 
-    def _append_token(self, request: Request, results, row: int) -> str:
-        """Append sampled row `row`'s token (and its logprobs) to the request; its text to report."""
+    def _append_token(self, request: Request, results, row: int, grammar_accepted: bool | None = None) -> str:
+        """Append sampled row `row`'s token (and its logprobs) to the request; its text to report.
+        `grammar_accepted`: the outcome where its grammar already took the token (LaunchedStep.advance_grammars)."""
         token = results.token_ids[row]
         request.output_token_ids.append(token)
-        if request.grammar is not None and not request.grammar.accept(token):  # only if its mask allowed nothing
+        if grammar_accepted is None and request.grammar is not None:
+            grammar_accepted = request.grammar.accept(token)
+        if grammar_accepted is False:  # only if its mask allowed nothing
             log.warning("request %s: its grammar refused token %d (%s); ending it", request.request_id, token,
                         request.grammar.error)  # fmt: skip
             request.finish_reason = "abort"

@@ -93,6 +93,10 @@ class LaunchedStep:
         if output.draft_confidence is not None:
             tensors.append(output.draft_confidence)
         self._host = HostCopy(tensors)
+        self._results: HostResults | None = None
+        # structured outputs: the requests whose grammar took this step's token early (`advance_grammars`), and
+        # whether the grammar allowed it
+        self.grammar_accepted: dict[Request, bool] = {}
 
     def tokens(self) -> InFlightTokens | None:
         """Where the next step finds this step's tokens."""
@@ -124,8 +128,24 @@ class LaunchedStep:
                 return False
         return True
 
+    def advance_grammars(self) -> None:
+        """Feed this step's tokens to its structured-output requests' grammars now (blocking until the tokens are
+        on the host), so that the step issued after it can fill their next masks while its model runs; the
+        engine's finalize then takes the outcome instead of feeding them again."""
+        if self.grammar_accepted or self.output.tokens is None:
+            return
+        tokens = self.read().token_ids
+        for row, request in enumerate(self.sampled):
+            if request.grammar is not None and not request.finished:
+                self.grammar_accepted[request] = request.grammar.accept(tokens[row])
+
     def read(self) -> HostResults:
-        """The step's results on the host (blocks until they are here)."""
+        """The step's results on the host (blocks until they are here; read once)."""
+        if self._results is None:
+            self._results = self._read()
+        return self._results
+
+    def _read(self) -> HostResults:
         values = [t.tolist() for t in self._host.wait()]
         tokens = values[:4] if self.output.tokens is not None else [[], [], [], []]
         del values[: 4 if self.output.tokens is not None else 0]

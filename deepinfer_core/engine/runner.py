@@ -8,7 +8,7 @@ the step still in flight sampled is taken from that step's token tensor, on the 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -307,7 +307,8 @@ class ModelRunner:
         offsets = batch.draft_offsets or (0,) * len(sampled)
         masked_rows = [i for i, r in enumerate(sampled) if r.masks_stop_tokens(offsets[i])]
         seen = self._mask_stop_tokens(logits, masked_rows, sampled) if masked_rows else logits
-        constrained = [i for i, r in enumerate(sampled) if r.grammar is not None]
+        # (a grammar that refused its last token, its request ending, constrains nothing more)
+        constrained = [i for i, r in enumerate(sampled) if r.grammar is not None and r.grammar.error is None]
         if constrained:
             grammars = [sampled[i].grammar for i in constrained]
             seen = apply_grammars(self.sampler, seen, constrained, grammars, self.structured_stats)
@@ -341,8 +342,14 @@ class ModelRunner:
             logprobs=output.logprobs.index_put((index,), raw),
         )
 
-    def execute(self, scheduled: Sequence[tuple[Request, int]], in_flight: InFlightTokens | None = None) -> StepOutput:
-        """Run the step: its tokens and logprobs stay on the device."""
+    def execute(
+        self,
+        scheduled: Sequence[tuple[Request, int]],
+        in_flight: InFlightTokens | None = None,
+        before_sampling: Callable[[], None] | None = None,
+    ) -> StepOutput:
+        """Run the step: its tokens and logprobs stay on the device. `before_sampling` runs after the model's work
+        is issued and before sampling (structured outputs: the previous step's tokens reach the grammars)."""
         batch = self.prepare(scheduled, in_flight)
         if self.drafter is None:
             logits, prompt_logprobs = self.run_model(batch)  # [S, V]
@@ -352,6 +359,8 @@ class ModelRunner:
             if self.drafter is not None:  # prefill chunks: the drafter's cache follows the model's
                 self._draft(batch, hidden, None)
             return StepOutput([], None, None, prompt_logprobs)
+        if before_sampling is not None:
+            before_sampling()
         tokens, ranks = self.sample(batch, logits, in_flight)
         if self.drafter is None:
             return StepOutput(batch.sampled, tokens, ranks, prompt_logprobs)

@@ -90,10 +90,18 @@ def test_each_sample_walks_its_own_grammar_beside_unconstrained_requests(llm):
         assert tail.text.startswith("{")
 
 
-def test_asynchronous_scheduling_waits_for_a_constrained_requests_token(one_torch_thread):
+def test_asynchronous_scheduling_pipelines_constrained_steps(one_torch_thread, monkeypatch):
+    """The next step is issued before a constrained request's token is read; its mask waits for the token between
+    that step's model and its sampling (LaunchedStep.advance_grammars), and the tokens are the synchronous run's."""
+    from deepinfer_core.engine.pending import LaunchedStep
+
+    advanced = []
+    original = LaunchedStep.advance_grammars
+    monkeypatch.setattr(LaunchedStep, "advance_grammars", lambda step: advanced.append(step) or original(step))
     llm = LLM(**SMALL, async_scheduling=True)
     assert llm.engine.async_scheduling
     outputs = llm.generate(PROMPTS, [params(i, json=PERSON) if i != 1 else params(i) for i in range(3)])
+    assert len(advanced) >= 10  # most decode steps ran pipelined
     assert person_ok(outputs[0].outputs[0].text) and person_ok(outputs[2].outputs[0].text)
     synchronous = LLM(**SMALL, async_scheduling=False)
     again = synchronous.generate(PROMPTS, [params(i, json=PERSON) if i != 1 else params(i) for i in range(3)])
