@@ -194,11 +194,6 @@ class Engine:
     def structured_compiler(self) -> GrammarCompiler:
         """Structured outputs' grammar compiler for this engine's tokenizer (made at the first call); a
         RequestError where structured outputs cannot run."""
-        if self.spec_stats is not None:
-            raise RequestError(
-                "structured outputs are not supported with speculative decoding yet: send the request without "
-                "structured_outputs / response_format, or serve without --speculative-config"
-            )
         if self._grammars is None:
             if self.tokenizer is None:
                 raise RequestError("structured outputs need the model's tokenizer; this engine was started without one")
@@ -268,8 +263,11 @@ class Engine:
         """Whether the next step may be planned while `step` runs. Without drafts, always: the next step finds each
         request's newest token on the device (a structured-output request's next mask waits for its token on the
         host: the runner calls `step.advance_grammars` between the next step's model and its sampling). Speculating,
-        where `step` lets it (LaunchedStep.pipelines_drafts)."""
-        return self.spec_stats is None or step.pipelines_drafts()
+        where `step` lets it (LaunchedStep.pipelines_drafts) and samples no structured-output request (its verify
+        rows' masks follow the drafts on the host)."""
+        if self.spec_stats is None:
+            return True
+        return step.pipelines_drafts() and all(request.grammar is None for request in step.sampled)
 
     def _launch(self) -> LaunchedStep | None:
         """Plan a step and issue its model and sampler work; its tokens stay on the device."""

@@ -311,7 +311,8 @@ class ModelRunner:
         constrained = [i for i, r in enumerate(sampled) if r.grammar is not None and r.grammar.error is None]
         if constrained:
             grammars = [sampled[i].grammar for i in constrained]
-            seen = apply_grammars(self.sampler, seen, constrained, grammars, self.structured_stats)
+            drafts = [sampled[i].draft_token_ids[: offsets[i]] for i in constrained] if batch.draft_offsets else None
+            seen = apply_grammars(self.sampler, seen, constrained, grammars, self.structured_stats, drafts)
         output = self.sampler.sample(seen, sampling)
         # the raw (unmasked) logprobs where they are reported: logprobs asked for, or best_of's ranking
         raw_rows = [i for i in sorted(set(masked_rows) | set(constrained)) if _reports_logprobs(sampled[i].params)]

@@ -15,7 +15,7 @@ import json
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import torch
 
@@ -135,6 +135,16 @@ class GrammarState:
     def fill(self, bitmask: torch.Tensor, row: int) -> None:
         """Write the allowed next tokens into row `row` of an int32 [rows, width] host bitmask."""
         self._fill(self._matcher, bitmask, row)
+
+    def fill_after(self, tokens: Sequence[int], bitmask: torch.Tensor, row: int) -> None:
+        """Row `row`: the tokens allowed after `tokens` (a verify step's drafts before this row), the state then
+        rolled back. Drafts the grammar refuses leave the row unmasked: the row of the first refused draft
+        cannot sample it, so the drafts after it (and this row's token) are never kept."""
+        taken = self._matcher.try_consume_tokens(list(tokens)) if tokens else 0
+        if taken == len(tokens):
+            self.fill(bitmask, row)
+        if taken:
+            self._matcher.rollback(taken)
 
     def accept(self, token: int) -> bool:
         """Advance by an emitted token; False when the grammar does not allow it (the state is then an error)."""

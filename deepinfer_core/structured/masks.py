@@ -20,14 +20,19 @@ def apply_grammars(
     rows: Sequence[int],
     grammars: Sequence[GrammarState],
     stats: StructuredOutputStats | None = None,
+    drafts: Sequence[Sequence[int]] | None = None,
 ) -> torch.Tensor:
     """logits [S, V] with row rows[k] masked by grammars[k] (tokens it does not allow next are -inf), through the
-    sampler's apply_token_bitmask (a backend's kernel) where it has one. The masks are filled on the host; `stats`
-    gets each row's fill time."""
+    sampler's apply_token_bitmask (a backend's kernel) where it has one. drafts[k]: a verify step's drafted tokens
+    before row rows[k] (its mask is the grammar's after them). The masks are filled on the host; `stats` gets each
+    row's fill time."""
     mask = torch.full((len(rows), grammars[0].width), -1, dtype=torch.int32)
     for k, grammar in enumerate(grammars):
         start = time.perf_counter()
-        grammar.fill(mask, k)
+        if drafts is not None and drafts[k]:
+            grammar.fill_after(drafts[k], mask, k)
+        else:
+            grammar.fill(mask, k)
         if stats is not None:
             stats.mask_seconds.append(time.perf_counter() - start)
     bitmask = mask.to(logits.device)

@@ -117,3 +117,30 @@ def test_a_bad_constraint_is_refused_before_it_runs(llm, constraint, needle):
     with pytest.raises(RequestError, match=needle):
         llm.generate(["x"], params(0, **constraint))
     assert not llm.engine.has_unfinished()
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "seeded"])
+def test_speculative_decoding_masks_every_draft_position(one_torch_thread, temperature):
+    """With ngram drafts (coupled acceptance) a constrained request's output is the non-speculative one, token for
+    token: each verify row is masked by the grammar after the drafts before it. A repeating regex makes the
+    prompt-lookup drafts land, so verify steps with several constrained rows really run."""
+    constraints = [dict(regex="(ab)+c"), dict(json=PERSON), None]
+
+    def run(speculative):
+        llm = LLM(**SMALL, speculative_config=speculative)
+        wanted = [
+            SamplingParams(temperature=temperature, seed=i, max_tokens=40,
+                           structured_outputs=StructuredOutputsParams(**c) if c else None)
+            for i, c in enumerate(constraints)
+        ]  # fmt: skip
+        outputs = llm.generate(["ababababab", PROMPTS[0], PROMPTS[1]], wanted)
+        return [o.outputs[0].token_ids for o in outputs], llm.engine.spec_stats
+
+    plain, _ = run(None)
+    drafted, stats = run({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3})
+    assert drafted == plain
+    assert stats.num_proposed_tokens > 0  # verify steps ran with masked draft rows
+    if temperature == 0:  # greedy repeats one token: its drafts are kept (seeded ones are mostly rejected)
+        assert stats.num_accepted_tokens > 10
+    text = LLM(**SMALL).tokenizer.decode(list(plain[0]))
+    assert re.fullmatch("(ab)+c?", text), text  # greedy repeats "ab" up to max_tokens; seeded ends with "c"

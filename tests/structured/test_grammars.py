@@ -148,3 +148,23 @@ def test_states_of_one_grammar_walk_independently(compiler, tokenizer):
     for token in beta:  # untouched by the first (finished after "alpha"): still at the start
         assert second.accept(token)
     assert compiler.state(params).accept(alpha[0])  # a new state starts at the start too
+
+
+def test_a_verify_rows_mask_follows_the_drafts_before_it(compiler, tokenizer):
+    """fill_after(drafts) is the mask of the state those drafts lead to, and leaves the state where it was; a draft
+    the grammar refuses leaves the row unmasked (its token is never kept)."""
+    params = StructuredOutputsParams(json=SCHEMA)
+    drafts = tokenizer.encode('{"name":"', add_special_tokens=False)
+    state, advanced = compiler.state(params), compiler.state(params)
+    for token in drafts:
+        assert advanced.accept(token)
+    want = allowed(advanced)
+    mask = torch.zeros(2, state.width, dtype=torch.int32)
+    state.fill_after(drafts, mask, 0)
+    assert torch.equal(allowed_tokens(mask, VOCAB)[0], want)
+    assert not torch.equal(want, allowed(state))  # the row's mask differs from the state's own
+    assert torch.equal(allowed(state), allowed(compiler.state(params)))  # rolled back to the start
+    refused = tokenizer.encode("nope", add_special_tokens=False)
+    mask[1] = -1
+    state.fill_after(refused, mask, 1)
+    assert bool((mask[1] == -1).all())  # unmasked
