@@ -85,7 +85,8 @@ def chat(openai_client, **kwargs):
 
 @pytest.mark.parametrize("seed", [1, 2, 3])
 def test_tool_choice_required_gives_calls_that_validate(openai_client, seed):
-    choice = chat(openai_client, tools=chat_tools(), tool_choice="required", seed=seed)
+    # parallel calls: a random model chains a few (each call about 50 tokens); room for many
+    choice = chat(openai_client, tools=chat_tools(), tool_choice="required", seed=seed, max_tokens=1500)
     assert choice.finish_reason == "tool_calls", choice.message
     assert choice.message.tool_calls
     for call in choice.message.tool_calls:
@@ -99,7 +100,7 @@ def test_a_named_tool_is_the_one_call_and_streams(openai_client):
     assert [c.function.name for c in choice.message.tool_calls] == ["clock"]
     check_call("clock", choice.message.tool_calls[0].function.arguments)
     stream = openai_client.chat.completions.create(
-        model=MODEL, messages=MESSAGES, max_tokens=300, temperature=1.0, seed=5, stream=True,
+        model=MODEL, messages=MESSAGES, max_tokens=1500, temperature=1.0, seed=5, stream=True,
         tools=chat_tools(strict=False), tool_choice={"type": "function", "function": {"name": "weather"}},
     )  # fmt: skip
     calls: dict[int, dict] = {}
@@ -137,8 +138,11 @@ def test_responses_tool_choice_required(openai_client):
         tool_choice="required",
         max_output_tokens=300,
         temperature=1.0,
+        parallel_tool_calls=False,
+        extra_body={"seed": 2},
     )
     calls = [item for item in response.output if item.type == "function_call"]
+    assert len(calls) == 1, response.output
     assert calls, response.output
     for call in calls:
         check_call(call.name, call.arguments)
@@ -146,11 +150,15 @@ def test_responses_tool_choice_required(openai_client):
 
 @pytest.mark.parametrize("tool_choice", [{"type": "any"}, {"type": "tool", "name": "weather"}])
 def test_anthropic_tool_choice_any_and_tool_give_tool_use_blocks_that_validate(anthropic_client, tool_choice):
+    """One call each (disable_parallel_tool_use: with parallel calls a random model may chain calls past any
+    budget), seeded."""
     tools = [{"name": name, "input_schema": schema} for name, schema in ARGS_SCHEMAS]
     message = anthropic_client.messages.create(
-        model=MODEL, messages=MESSAGES, max_tokens=300, tools=tools, tool_choice=tool_choice,
-        extra_body={"temperature": 1.0},  # this SDK version has no temperature argument
+        model=MODEL, messages=MESSAGES, max_tokens=300, tools=tools,
+        tool_choice={**tool_choice, "disable_parallel_tool_use": True},
+        extra_body={"temperature": 1.0, "seed": 3},  # this SDK version has no temperature argument
     )  # fmt: skip
+    assert len([block for block in message.content if block.type == "tool_use"]) == 1, message.content
     uses = [block for block in message.content if block.type == "tool_use"]
     assert message.stop_reason == "tool_use" and uses, message.content
     for block in uses:
@@ -161,13 +169,14 @@ def test_anthropic_tool_choice_any_and_tool_give_tool_use_blocks_that_validate(a
 
 def test_responses_text_format_and_messages_output_config_follow_the_schema(openai_client, anthropic_client):
     response = openai_client.responses.create(
-        model=MODEL, input="What time is it?", max_output_tokens=60, temperature=1.0,
+        model=MODEL, input="What time is it?", max_output_tokens=60, temperature=1.0, extra_body={"seed": 4},
         text={"format": {"type": "json_schema", "name": "clock", "schema": CLOCK, "strict": True}},
     )  # fmt: skip
     Clock.model_validate_json(response.output_text)
     message = anthropic_client.messages.create(
         model=MODEL, messages=MESSAGES, max_tokens=60,
-        extra_body={"temperature": 1.0, "output_config": {"format": {"type": "json_schema", "schema": WEATHER}}},
+        extra_body={"temperature": 1.0, "seed": 5,
+                    "output_config": {"format": {"type": "json_schema", "schema": WEATHER}}},
     )  # fmt: skip
     Weather.model_validate_json(message.content[0].text)
 
