@@ -283,9 +283,7 @@ class Engine:
         needed = None  # as the runner computes it for the step: a snapshot is whole from there on
         if self.snapshots is not None:
             needed = [first_needed(r, self.blocks.block_size, True) for r, _ in scheduled.requests]
-        grammars = None  # the in-flight step's tokens reach its grammars while this step's model runs
-        if self._in_flight is not None and any(r.grammar is not None for r in self._in_flight.sampled):
-            grammars = self._in_flight.advance_grammars
+        grammars = self._in_flight.grammar_feed() if self._in_flight else None  # while this step's model runs
         launched = LaunchedStep(scheduled, self.runner.execute(scheduled.requests, in_flight, grammars))
         for row, (request, count) in enumerate(scheduled.requests):
             request.num_computed_tokens += count - len(request.draft_token_ids)  # drafts: once accepted

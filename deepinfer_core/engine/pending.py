@@ -128,6 +128,10 @@ class LaunchedStep:
                 return False
         return True
 
+    def grammar_feed(self):
+        """`advance_grammars` where this step sampled a structured-output request, else None."""
+        return self.advance_grammars if any(r.grammar is not None for r in self.sampled) else None
+
     def advance_grammars(self) -> None:
         """Feed this step's tokens to its structured-output requests' grammars now (blocking until the tokens are
         on the host), so that the step issued after it can fill their next masks while its model runs; the

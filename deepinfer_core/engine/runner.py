@@ -23,10 +23,10 @@ from deepinfer_core.engine.snapshots import first_needed
 from deepinfer_core.engine.step_batch import PromptLogprobs, PromptSpan, StepBatch, StepOutput
 from deepinfer_core.engine.transfer import to_device
 from deepinfer_core.kv.caches import allocate_caches
-from deepinfer_core.sampling.logprobs import TokenLogprobs, logprobs_of, ranks_of, with_raw_logprobs
+from deepinfer_core.sampling.logprobs import TokenLogprobs, logprobs_of, ranks_of, reports_logprobs, with_raw_logprobs
 from deepinfer_core.sampling.rejection import rejection_tokens, select_rows
 from deepinfer_core.sampling.sampler import SampleOutput, SamplingBatch
-from deepinfer_core.structured.masks import apply_grammars
+from deepinfer_core.structured.masks import mask_grammar_rows
 from deepinfer_core.structured.stats import StructuredOutputStats
 
 __all__ = ["ModelRunner", "PromptLogprobs", "PromptSpan", "StepBatch", "StepOutput"]
@@ -307,15 +307,10 @@ class ModelRunner:
         offsets = batch.draft_offsets or (0,) * len(sampled)
         masked_rows = [i for i, r in enumerate(sampled) if r.masks_stop_tokens(offsets[i])]
         seen = self._mask_stop_tokens(logits, masked_rows, sampled) if masked_rows else logits
-        # (a grammar that refused its last token, its request ending, constrains nothing more)
-        constrained = [i for i, r in enumerate(sampled) if r.grammar is not None and r.grammar.error is None]
-        if constrained:
-            grammars = [sampled[i].grammar for i in constrained]
-            drafts = [sampled[i].draft_token_ids[: offsets[i]] for i in constrained] if batch.draft_offsets else None
-            seen = apply_grammars(self.sampler, seen, constrained, grammars, self.structured_stats, drafts)
+        seen, constrained = mask_grammar_rows(self.sampler, seen, sampled, batch.draft_offsets, self.structured_stats)
         output = self.sampler.sample(seen, sampling)
         # the raw (unmasked) logprobs where they are reported: logprobs asked for, or best_of's ranking
-        raw_rows = [i for i in sorted(set(masked_rows) | set(constrained)) if _reports_logprobs(sampled[i].params)]
+        raw_rows = [i for i in sorted(set(masked_rows) | set(constrained)) if reports_logprobs(sampled[i].params)]
         if raw_rows:
             output = with_raw_logprobs(output, logits, to_device(raw_rows, self.device))
         if self.rejection and batch.draft_offsets:
@@ -398,8 +393,3 @@ class ModelRunner:
             accepted, d.position_limit, self.block_size,
         )  # fmt: skip
         return self.drafter.draft(inputs, caches, self.num_draft_tokens)
-
-
-def _reports_logprobs(params) -> bool:
-    """Whether a sequence's token logprobs are read: asked for, or summed to rank best_of's samples."""
-    return params.logprobs is not None or params.best_of is not None

@@ -11,7 +11,7 @@ import torch
 
 from deepinfer_core.sampling.sampler import SampleOutput
 
-__all__ = ["TokenLogprobs", "logprobs_of", "ranks_of", "with_raw_logprobs"]
+__all__ = ["TokenLogprobs", "logprobs_of", "ranks_of", "reports_logprobs", "with_raw_logprobs"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,6 +43,11 @@ def logprobs_of(logits: torch.Tensor, token_ids: torch.Tensor, k: int) -> TokenL
     top_logprobs, top_ids = logprobs.topk(k, dim=1)
     chosen = logprobs.gather(1, token_ids[:, None]).squeeze(1)
     return TokenLogprobs(chosen, ranks_of(logprobs, token_ids), top_ids, top_logprobs)
+
+
+def reports_logprobs(params) -> bool:
+    """Whether a sequence's token logprobs are read: asked for, or summed to rank best_of's samples."""
+    return params.logprobs is not None or params.best_of is not None
 
 
 def with_raw_logprobs(output: SampleOutput, raw_logits: torch.Tensor, rows: torch.Tensor) -> SampleOutput:

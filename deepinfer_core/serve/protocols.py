@@ -31,8 +31,8 @@ from deepinfer_core.serve.state import ServerState
 from deepinfer_core.serve.structured_fields import (
     check_compiles,
     constraint_field,
+    request_constraint,
     structured_outputs_from_body,
-    tool_call_outputs,
 )
 from deepinfer_core.serve.tool_choice import check_tool_choice
 
@@ -61,7 +61,6 @@ PROTOCOLS = {
 }
 
 _FINISH = {"stop": dr.InferenceFinishReason.Stop, "length": dr.InferenceFinishReason.Length}
-_REASONING_FIRST = (dr.ThinkingInitialStage.ReasoningStart, dr.ThinkingInitialStage.ReasoningContinuation)
 
 
 @dataclass
@@ -150,7 +149,8 @@ def _prepare(state: ServerState, protocol: Protocol, body: dict, request_id: str
     if constraint is not None and constraint.kind in fields.GUIDED_CONSTRAINTS and params.structured_outputs is None:
         param = fields.CONSTRAINT_FIELDS[protocol.route]
         raise ApiError(400, f"unsupported parameter {param}: only text output is supported here", param=param)
-    params = replace(params, structured_outputs=_constraint(state, body, protocol.route, conv, params))
+    wanted = request_constraint(params.structured_outputs, body, protocol.route, conv, state.thinking_end_id)
+    params = replace(params, structured_outputs=wanted)
     make = protocol.request_cls.chunk_generator
     generators = [make(conv, request_id, state.served_model_name) for _ in range(params.n)]
     if extras:
@@ -169,17 +169,6 @@ def _prepare(state: ServerState, protocol: Protocol, body: dict, request_id: str
         generated=[0] * params.n,
         stop_strings=[None] * params.n,
     )
-
-
-def _constraint(state: ServerState, body: dict, route: str, conv, params: SamplingParams):
-    """The request's structured output: the one it asks for, or the tool calls it forces / declares strict; in
-    thinking mode held from the end of the reasoning on."""
-    wanted = params.structured_outputs or tool_call_outputs(body, route, conv)
-    if wanted is not None and conv.parsing_options.thinking_initial_stage in _REASONING_FIRST:
-        if state.thinking_end_id is None:
-            raise ApiError(400, "structured outputs in thinking mode need the tokenizer's end-of-thinking token")
-        wanted = replace(wanted, reasoning_end_token_id=state.thinking_end_id)
-    return wanted
 
 
 def _stream_options(body: dict) -> dict:

@@ -6,6 +6,7 @@ tools' own parameter schemas (structured/tool_calls.py)."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from typing import Any
 
 import deepseek_recipe as dr
@@ -19,6 +20,7 @@ __all__ = [
     "STRUCTURED_ROUTES",
     "check_compiles",
     "constraint_field",
+    "request_constraint",
     "structured_outputs_from_body",
     "tool_call_outputs",
 ]
@@ -147,6 +149,26 @@ def tool_call_outputs(body: dict, route: str, conv: dr.ConversationRequest) -> S
     else:
         return None
     return StructuredOutputsParams(grammar=tool_call_grammar(chosen, mode, _parallel(body, route)))
+
+
+_REASONING_FIRST = (dr.ThinkingInitialStage.ReasoningStart, dr.ThinkingInitialStage.ReasoningContinuation)
+
+
+def request_constraint(
+    wanted: StructuredOutputsParams | None,
+    body: dict,
+    route: str,
+    conv: dr.ConversationRequest,
+    thinking_end: int | None,
+) -> StructuredOutputsParams | None:
+    """A request's structured output: the one its body asks for (`wanted`), or the tool calls it forces / declares
+    strict; in thinking mode held from the end-of-thinking token (`thinking_end`) on."""
+    wanted = wanted or tool_call_outputs(body, route, conv)
+    if wanted is not None and conv.parsing_options.thinking_initial_stage in _REASONING_FIRST:
+        if thinking_end is None:
+            raise ApiError(400, "structured outputs in thinking mode need the tokenizer's end-of-thinking token")
+        wanted = replace(wanted, reasoning_end_token_id=thinking_end)
+    return wanted
 
 
 def _json_list(text: str) -> list:

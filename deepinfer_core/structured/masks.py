@@ -11,7 +11,7 @@ from deepinfer_core.sampling.bitmask import masked_logits
 from deepinfer_core.structured.grammars import GrammarState
 from deepinfer_core.structured.stats import StructuredOutputStats
 
-__all__ = ["apply_grammars"]
+__all__ = ["apply_grammars", "mask_grammar_rows"]
 
 
 def apply_grammars(
@@ -40,3 +40,17 @@ def apply_grammars(
         return masked_logits(sampler, logits.clone(), bitmask)
     index = torch.tensor(rows, device=logits.device)
     return logits.index_put((index,), masked_logits(sampler, logits[index], bitmask))
+
+
+def mask_grammar_rows(
+    sampler, logits: torch.Tensor, sampled: Sequence, draft_offsets: Sequence[int], stats: StructuredOutputStats | None
+) -> tuple[torch.Tensor, list[int]]:
+    """A step's logits with each structured-output row masked (`apply_grammars`; a verify row by the grammar after
+    the drafts before it, `draft_offsets`), and those rows. A grammar that refused its last token (its request
+    ending) constrains nothing more."""
+    constrained = [i for i, r in enumerate(sampled) if r.grammar is not None and r.grammar.error is None]
+    if not constrained:
+        return logits, constrained
+    grammars = [sampled[i].grammar for i in constrained]
+    drafts = [sampled[i].draft_token_ids[: draft_offsets[i]] for i in constrained] if draft_offsets else None
+    return apply_grammars(sampler, logits, constrained, grammars, stats, drafts), constrained
