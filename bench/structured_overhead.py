@@ -1,9 +1,17 @@
-"""What structured outputs cost a decode (issue #19): the same requests on the demo model with every request
-constrained and with none, at several batch sizes, in one run; the per-token mask time per request from the
-engine's own timings (deepinfer:structured_output_mask_seconds).
+"""What structured outputs cost a decode (issue #19): the same requests with every request constrained and with
+none, at several batch sizes, in one run; the per-token mask time per request from the engine's own timings
+(deepinfer:structured_output_mask_seconds).
 
     python bench/structured_overhead.py --out bench/results/structured_overhead_cpu.json
     python bench/structured_overhead.py --accelerator nvidia --out bench/results/structured_overhead_nvidia_h200.json
+    python bench/structured_overhead.py --accelerator nvidia --model v4-width \
+        --out bench/results/structured_overhead_v4_width_nvidia_h200.json
+
+--model demo (the default) is the embedded demo model: on a GPU its steps are bound by the host's launches, so
+every microsecond of grammar work on the host shows in full. --model v4-width writes gpu_decode.py's V4-width
+checkpoint (4 layers at V4 Flash's widths, 32 experts, random bf16 weights, the demo's V4 tokenizer) to a
+temporary folder and serves it: steps bound by the device, where the engine's pipelining can hide the host's
+grammar work behind the step in flight.
 
 Every request decodes exactly max_tokens tokens (ignore_eos; the JSON string needs at least 400 characters, the
 regex `[a-z ]+` may end, after which only end-of-sequence is allowed). A counted regex such as `[a-z ]{400,}` costs
@@ -16,8 +24,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -52,7 +62,10 @@ def run(llm, batch: int, max_tokens: int, constraint: dict | None, repeats: int)
     row = {"seconds": seconds, "seconds_per_repeat": times, "tokens": tokens, "tokens_per_s": tokens / seconds}
     if constraint:
         masks = sorted(llm.engine.structured_stats.drain()[1])
+        texts = [o.outputs[0].text for o in outputs]
+        follows = (lambda t: re.fullmatch(r"[a-z ]*", t)) if "regex" in constraint else (lambda t: t.startswith('{"'))
         row.update(
+            outputs_following_constraint=sum(bool(follows(t)) for t in texts) / len(texts),
             mask_samples=len(masks),
             mask_us_mean=statistics.fmean(masks) * 1e6,
             mask_us_median=masks[len(masks) // 2] * 1e6,
@@ -61,17 +74,45 @@ def run(llm, batch: int, max_tokens: int, constraint: dict | None, repeats: int)
     return row
 
 
+def write_v4_width(folder: Path, device: str) -> Path:
+    """gpu_decode.py's V4-width DeepSeek-V4 config with random weights (seed 0, drawn in bf16 on `device`) and
+    the demo model's tokenizer, as a Hugging Face-format folder."""
+    import shutil
+
+    import torch
+    from _gpu_v4 import CONFIGS, FAMILIES, random_weights
+    from safetensors.torch import save_file
+
+    from deepinfer_core.engine.tokenizer import demo_tokenizer_dir
+
+    raw, family = CONFIGS["v4"][0], FAMILIES["v4"]
+    weights = random_weights(family, family.parse(raw), torch.device(device), torch.bfloat16, seed=0)
+    save_file({name: t.contiguous().cpu() for name, t in weights.items()}, str(folder / "model.safetensors"))
+    (folder / "config.json").write_text(json.dumps({**raw, "torch_dtype": "bfloat16"}))
+    for path in demo_tokenizer_dir().iterdir():
+        if path.is_file() and path.suffix != ".py":
+            shutil.copy(path, folder / path.name)
+    return folder
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--accelerator", default="cpu")
     parser.add_argument("--batches", default="1,16,64")
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3, help="timed runs of each configuration (the median is kept)")
+    parser.add_argument("--model", choices=("demo", "v4-width"), default="demo")
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
     from deepinfer import LLM
 
-    llm = LLM(accelerator=args.accelerator, max_num_seqs=64, progress=False)
+    scratch = tempfile.TemporaryDirectory(prefix="structured_overhead_")
+    if args.model == "demo":
+        llm = LLM(accelerator=args.accelerator, max_num_seqs=64, progress=False)
+    else:
+        device = "cuda" if args.accelerator != "cpu" else "cpu"
+        folder = write_v4_width(Path(scratch.name), device)
+        llm = LLM(str(folder), accelerator=args.accelerator, dtype="bfloat16", max_num_seqs=64, progress=False)
     rows = []
     for batch in [int(b) for b in args.batches.split(",")]:
         plain = run(llm, batch, args.max_tokens, None, args.repeats)
@@ -102,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
         "model": llm.model_name,
         "max_tokens": args.max_tokens,
         "constraints": CONSTRAINTS,
-        "method": "one LLM (the demo model); per batch the same prompts and seeds unconstrained and constrained, "
+        "method": f"one LLM ({args.model}); per batch the same prompts and seeds unconstrained and constrained, "
         "ignore_eos, each after a one-request warm-up, the median of --repeats timed runs; "
         "mask times are the engine's per constrained row of a step",
         "targets": "mask < 50 us per token per request at batch 64; throughput lost <= 10% (issue #19)",

@@ -277,7 +277,7 @@ class ModelRunner:
         """logits [S, V] with each of `rows`' EOS and stop token ids at -inf (min_tokens not reached yet)."""
         at = [(row, token) for row in rows for token in requests[row].min_tokens_masked]
         index = to_device(at, self.device).unbind(1)  # ([M], [M])
-        return logits.index_put(index, torch.tensor(float("-inf"), device=logits.device))
+        return logits.index_put(index, torch.full((), float("-inf"), device=logits.device))  # a fill: no copy
 
     @torch.inference_mode()
     def sample(

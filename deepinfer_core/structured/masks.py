@@ -7,6 +7,7 @@ from collections.abc import Sequence
 
 import torch
 
+from deepinfer_core.engine.transfer import host_staging, to_device
 from deepinfer_core.sampling.bitmask import masked_logits
 from deepinfer_core.structured.grammars import GrammarState
 from deepinfer_core.structured.stats import StructuredOutputStats
@@ -25,8 +26,9 @@ def apply_grammars(
     """logits [S, V] with row rows[k] masked by grammars[k] (tokens it does not allow next are -inf), through the
     sampler's apply_token_bitmask (a backend's kernel) where it has one. drafts[k]: a verify step's drafted tokens
     before row rows[k] (its mask is the grammar's after them). The masks are filled on the host; `stats` gets each
-    row's fill time."""
-    mask = torch.full((len(rows), grammars[0].width), -1, dtype=torch.int32)
+    row's fill time. The mask reaches the device without the host waiting for the device's queued work (the
+    step's model, issued before this): pinned memory and an asynchronous copy where the device has them."""
+    mask = host_staging((len(rows), grammars[0].width), torch.int32, logits.device).fill_(-1)
     for k, grammar in enumerate(grammars):
         start = time.perf_counter()
         if drafts is not None and drafts[k]:
@@ -35,10 +37,10 @@ def apply_grammars(
             grammar.fill(mask, k)
         if stats is not None:
             stats.mask_seconds.append(time.perf_counter() - start)
-    bitmask = mask.to(logits.device)
+    bitmask = mask.to(logits.device, non_blocking=True)
     if len(rows) == logits.shape[0]:  # every row constrained: no gather and scatter of the rows
         return masked_logits(sampler, logits.clone(), bitmask)
-    index = torch.tensor(rows, device=logits.device)
+    index = to_device(rows, logits.device)
     return logits.index_put((index,), masked_logits(sampler, logits[index], bitmask))
 
 

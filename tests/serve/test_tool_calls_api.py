@@ -190,3 +190,46 @@ def test_a_bad_tool_schema_is_a_400_naming_tools(openai_client):
         chat(openai_client, tools=bad, tool_choice="required")
     assert err.value.body["param"] == "tools", err.value.body
     assert json.dumps(err.value.body)  # an error in the protocol's format, not a traceback
+
+
+def test_responses_stream_a_named_call_whose_arguments_validate(openai_client):
+    """Streamed: the arguments arrive as response.function_call_arguments.delta events whose concatenation is
+    the `done` event's (and the final response's) arguments, which validate."""
+    tools = [{"type": "function", "name": n, "parameters": s, "strict": True} for n, s in ARGS_SCHEMAS]
+    stream = openai_client.responses.create(
+        model=MODEL, input="What is the weather?", tools=tools, tool_choice={"type": "function", "name": "weather"},
+        max_output_tokens=300, temperature=1.0, parallel_tool_calls=False, extra_body={"seed": 6}, stream=True,
+    )  # fmt: skip
+    deltas, done, final = [], [], None
+    for event in stream:
+        if event.type == "response.function_call_arguments.delta":
+            deltas.append(event.delta)
+        elif event.type == "response.function_call_arguments.done":
+            done.append(event.arguments)
+        elif event.type == "response.completed":
+            final = event.response
+    assert len(done) == 1 and "".join(deltas) == done[0], (deltas, done)
+    calls = [item for item in final.output if item.type == "function_call"]
+    assert [c.name for c in calls] == ["weather"] and calls[0].arguments == done[0]
+    check_call("weather", done[0])
+
+
+def test_anthropic_stream_a_tool_use_block_whose_input_validates(anthropic_client):
+    """Streamed: a tool_use content block whose input_json_delta parts make the input, which validates (the SDK's
+    own accumulation, get_final_message, agrees)."""
+    tools = [{"name": name, "input_schema": schema} for name, schema in ARGS_SCHEMAS]
+    with anthropic_client.messages.stream(
+        model=MODEL, messages=MESSAGES, max_tokens=300, tools=tools,
+        tool_choice={"type": "tool", "name": "clock", "disable_parallel_tool_use": True},
+        extra_body={"temperature": 1.0, "seed": 7},
+    ) as stream:  # fmt: skip
+        parts = [
+            e.delta.partial_json
+            for e in stream
+            if e.type == "content_block_delta" and e.delta.type == "input_json_delta"
+        ]
+        message = stream.get_final_message()
+    uses = [block for block in message.content if block.type == "tool_use"]
+    assert message.stop_reason == "tool_use" and [u.name for u in uses] == ["clock"], message.content
+    assert json.loads("".join(parts)) == uses[0].input
+    check_call("clock", uses[0].input)
