@@ -77,7 +77,9 @@ class BackendSpec:
 
     @hookspec(firstresult=True)
     def deepinfer_backend_device(self, index: int) -> DeviceFacts:
-        """Describe device `index` of this backend (name, torch device string, total and free memory).
+        """Describe device `index` of this backend (name, torch device string, total and free memory). An engine
+        rank of a data-parallel world asks for the device of its rank number; a backend whose ranks share one
+        device (the host) answers every index with it.
 
         Required. Called: at engine build, to place tensors and to size the KV cache.
         """

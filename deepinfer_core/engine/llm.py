@@ -97,6 +97,12 @@ class LLM:
         "num_speculative_tokens": 4, ...}; engine/speculative.py): decode steps verify drafted tokens and may
         yield several, with the same output as without it. None: off.
     progress: progress bars while the model downloads, is built or loads.
+    data_parallel_size: engine ranks, one process each (parallel/data_parallel.py): each runs attention for its
+        own requests. enable_expert_parallel: the ranks split the routed experts between them and every MoE
+        layer dispatches and combines over torch.distributed (else every rank holds all of them). With more
+        than one rank this process loads no model (`model` and `backend` are None) and feeds the ranks.
+    expert_parallel_rank: (rank, world size) of an engine rank whose torch.distributed world is up (the ranks
+        data_parallel_size starts pass it); None: one rank, every expert here.
     """
 
     def __init__(
@@ -127,7 +133,13 @@ class LLM:
         speculative_config: dict | str | None = None,
         progress: bool = True,
         backend: ResolvedBackend | None = None,
+        data_parallel_size: int = 1,
+        enable_expert_parallel: bool = False,
+        expert_parallel_rank: tuple[int, int] | None = None,
     ) -> None:
+        if data_parallel_size != 1:
+            self._start_ranks(locals())
+            return
         requested = parse_dtype(dtype)
         parse_dtype(kv_cache_dtype, "kv_cache_dtype", KV_DTYPE_NAMES)
         check_utilization(gpu_memory_utilization)
@@ -165,7 +177,11 @@ class LLM:
         def resolve(entry) -> ResolvedBackend:
             chosen = choose_dtype(requested, entry.info, entry.capabilities, raw_config)
             check_kv_cache_dtype(kv_cache_dtype, entry.info, entry.capabilities, chosen)
-            return resolve_backend(entry, dtype=chosen, block_size=block_size, batch_invariant=batch_invariant)
+            rank, world = expert_parallel_rank or (0, 1)
+            return resolve_backend(
+                entry, dtype=chosen, block_size=block_size, batch_invariant=batch_invariant, world_size=world,
+                rank=rank, device_index=rank,
+            )  # fmt: skip
 
         if backend is not None:
             check_kv_cache_dtype(kv_cache_dtype, backend.info, backend.capabilities, backend.dtype)
@@ -178,6 +194,7 @@ class LLM:
                 "deterministic RANDOM weights; its output is meaningless)"
             )
         self.model_name = DEMO_NAME if path is None else str(model) if from_hub else path.name
+        self.model_path = path  # the checkpoint folder (None: the demo model)
         self.tokenizer_dir = self._tokenizer_dir(path, tokenizer, download_dir, progress)
         self.tokenizer = Tokenizer.from_dir(self.tokenizer_dir) if self.tokenizer_dir else None
         hook = discovery.plugin_manager.hook
@@ -190,6 +207,35 @@ class LLM:
         self.engine = Engine(self.model, self.backend, self.tokenizer, config, processors, observers, drafter)
         self._chat: ChatRenderer | None = None
         self._next_id = 0
+
+    def _start_ranks(self, arguments: dict) -> None:
+        """data_parallel_size > 1: start the engine ranks (each builds its engine from these arguments); this
+        process keeps the tokenizer and feeds them."""
+        from deepinfer_core.parallel.data_parallel import DataParallelEngine
+
+        size, expert_parallel = arguments["data_parallel_size"], arguments["enable_expert_parallel"]
+        if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+            raise DeepInferError(f"data_parallel_size must be a positive integer, got {size!r}")
+        if arguments["backend"] is not None or arguments["expert_parallel_rank"] is not None:
+            raise DeepInferError("data_parallel_size > 1 starts its own ranks: pass neither backend nor a rank")
+        if arguments["speculative_config"] is not None:
+            raise DeepInferError(
+                "speculative decoding does not run with data_parallel_size > 1 yet (a draft model's MoE layers "
+                "would have to step with the other ranks'); drop speculative_config or run one rank"
+            )
+        skip = {"self", "data_parallel_size", "enable_expert_parallel", "expert_parallel_rank", "backend", "progress"}
+        options = {k: v for k, v in arguments.items() if k not in skip and not k.startswith("__")}
+        options.update(progress=False, graph_batch_size=0)  # no device graphs around the ranks' collectives
+        self.engine = DataParallelEngine(size, options, expert_parallel)
+        self.backend = self.model = None
+        self.model_name = self.engine.rank_info[0]["model"]
+        location = self.engine.rank_info[0]["path"]
+        self.model_path = None if location is None else Path(location)
+        self.tokenizer_dir = self._tokenizer_dir(
+            self.model_path, arguments["tokenizer"], arguments["download_dir"], False
+        )
+        self.tokenizer = Tokenizer.from_dir(self.tokenizer_dir) if self.tokenizer_dir else None
+        self._chat, self._next_id = None, 0
 
     @staticmethod
     def _tokenizer_dir(path: Path | None, tokenizer, download_dir, progress: bool) -> Path | None:

@@ -72,6 +72,7 @@ class ModelRunner:
         self.logits_processors = list(logits_processors)
         self.snapshot_boundaries = False  # the engine keeps window snapshots: see snapshots.first_needed
         self.structured_stats: StructuredOutputStats | None = None  # the engine's, once structured outputs are used
+        self.lockstep = None  # a data-parallel rank's MoELockstep (parallel/lockstep.py): forwards keep ranks in step
         self.graphs = None
         if use_graphs:
             self.graphs = DecodeGraphs(
@@ -241,11 +242,15 @@ class ModelRunner:
             if meta.max_query_len > 1:  # a verify step: padding rows are sampled by none
                 logits = logits[batch.last_token_index]
             return self._processed_logits(logits, batch).float(), [], drafted
+        if self.lockstep is not None:
+            self.lockstep.begin()
         if self.drafter is None:
             hidden = drafted = self.model.forward(batch.token_ids, batch.positions, meta, self.caches)  # [T, D]
         else:  # and what the drafter reads of each position
             hidden, drafted = self.drafter.target_forward(self.model, batch.token_ids, batch.positions, meta,
                                                           self.caches)  # fmt: skip
+        if self.lockstep is not None:
+            self.lockstep.complete()
         prompt = [self._prompt_logprobs(hidden, span) for span in batch.prompt_spans]
         if not batch.sampled:
             return hidden.new_empty((0, self.model.config.vocab_size), dtype=torch.float32), prompt, drafted

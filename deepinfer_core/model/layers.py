@@ -14,7 +14,7 @@ from deepinfer_core.backend.weight_formats import concat_rows, stack
 from deepinfer_core.kv.layout import CacheSpec
 from deepinfer_core.model.config import DeepseekConfig
 
-__all__ = ["DenseMLP", "MLAttention", "MoE"]
+__all__ = ["DenseMLP", "MLAttention", "MoE", "moe_layers"]
 
 Weights = dict[str, torch.Tensor]
 
@@ -78,7 +78,8 @@ class MoE:
         weight_before_down: bool = False,
     ) -> None:
         self.ops, self.comm, self.routing, self.limit = backend.ops, backend.communicator, routing, limit
-        self.weight_before_down = weight_before_down
+        self.weight_before_down, self.dtype = weight_before_down, backend.dtype
+        self.calls = 0  # forwards through this layer (parallel/lockstep.py counts them per model forward)
         self.gate, self.bias, self.shared, self.hash_table = gate, bias, shared, hash_table  # gate [E, D] float32
         per_rank = routing.num_experts // self.comm.world_size
         local = experts[self.comm.rank * per_rank : (self.comm.rank + 1) * per_rank]
@@ -97,7 +98,14 @@ class MoE:
         bias = w.get(f"{prefix}.gate.e_score_correction_bias")
         return cls(backend, config.routing, w[f"{prefix}.gate.weight"], bias, experts, shared)
 
+    def idle(self) -> None:
+        """This layer with no tokens of this rank's: its dispatch and combine still run, and its experts still
+        serve the rows other ranks send (expert parallelism: every rank takes part in every MoE layer)."""
+        x = torch.empty((0, self.gate.shape[1]), dtype=self.dtype, device=self.gate.device)
+        self(x, torch.empty((0,), dtype=torch.int64, device=self.gate.device))
+
     def __call__(self, x: torch.Tensor, token_ids: torch.Tensor | None = None) -> torch.Tensor:
+        self.calls += 1
         router_logits = self.ops.linear(x.float(), self.gate)  # [T, E], routed in float32
         if self.hash_table is None:
             weights, ids = self.ops.moe_route(router_logits, self.routing, self.bias)  # [T, K]
@@ -170,3 +178,8 @@ class MLAttention:
         )  # [T, H, C]
         out = ops.head_linear(out, self.w_uv).reshape(x.shape[0], -1)  # [T, H * v]
         return ops.linear(out, w["o_proj.weight"], w.get("o_proj.bias"))
+
+
+def moe_layers(model) -> list[MoE]:
+    """The MoE layers of a model whose `layers` are tuples of its parts, in the order a forward runs them."""
+    return [part for layer in model.layers for part in layer if isinstance(part, MoE)]

@@ -60,8 +60,8 @@ def _memory_bytes() -> tuple[int, int]:
 
 @hookimpl
 def deepinfer_backend_device(index):
-    if index != 0:
-        raise ValueError(f"the cpu backend has one device (index 0), not {index}")
+    if index < 0:  # every rank of a data-parallel world shares the host: any index is the host
+        raise ValueError(f"the cpu backend's device index must be 0 or more, not {index}")
     total, free = _memory_bytes()
     return DeviceFacts("cpu", "cpu", total, free, (("threads", str(torch.get_num_threads())),))
 

@@ -74,8 +74,8 @@ def _meminfo_bytes() -> tuple[int, int]:
 
 @hookimpl
 def deepinfer_backend_device(index):
-    if index != 0:
-        raise ValueError(f"rowwise_cpu has one device (index 0), not {index}")
+    if index < 0:  # every rank of a data-parallel world shares the host: any index is the host
+        raise ValueError(f"rowwise_cpu's device index must be 0 or more, not {index}")
     total, free = _meminfo_bytes()
     return DeviceFacts("cpu (rowwise)", "cpu", total, free, (("threads", str(torch.get_num_threads())),))
 
