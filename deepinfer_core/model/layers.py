@@ -13,6 +13,7 @@ from deepinfer_core.backend.resolve import ResolvedBackend
 from deepinfer_core.backend.weight_formats import concat_rows, stack
 from deepinfer_core.kv.layout import CacheSpec
 from deepinfer_core.model.config import DeepseekConfig
+from deepinfer_core.parallel.expert_slots import ExpertSlots
 
 __all__ = ["DenseMLP", "MLAttention", "MoE", "moe_layers"]
 
@@ -81,8 +82,9 @@ class MoE:
         self.weight_before_down, self.dtype = weight_before_down, backend.dtype
         self.calls = 0  # forwards through this layer (parallel/lockstep.py counts them per model forward)
         self.gate, self.bias, self.shared, self.hash_table = gate, bias, shared, hash_table  # gate [E, D] float32
-        per_rank = routing.num_experts // self.comm.world_size
-        local = experts[self.comm.rank * per_rank : (self.comm.rank + 1) * per_rank]
+        # which copy of which expert each physical slot holds; this rank holds its share of the slots
+        self.slots = ExpertSlots.default(routing.num_experts, self.comm.world_size, gate.device)
+        local = [experts[e] for e in self.slots.held_by(self.comm.rank, self.comm.world_size)]
         w13 = [concat_rows([gate_w, up_w], backend.dtype) for gate_w, up_w, _ in local]
         self.w13 = stack(w13, backend.dtype)  # [E_local, 2I, D]: quantized where every expert's is, else dense
         self.w2 = stack([down for _, _, down in local], backend.dtype)  # [E_local, D, I]
@@ -113,12 +115,13 @@ class MoE:
             table = self.hash_table[token_ids]
             weights, ids = self.ops.moe_route(router_logits, self.routing, self.bias, expert_ids=table)
         kwargs = _limit(self.limit, "swiglu_limit")
+        ids, slots = self.slots.route(ids), self.slots.num_physical  # [T, K] physical slots
         if self.weight_before_down:
-            dispatched = self.comm.dispatch(x, ids, self.routing.num_experts, weights)
+            dispatched = self.comm.dispatch(x, ids, slots, weights)
             kwargs["row_scales"] = dispatched.row_weights
             weights = torch.ones_like(weights)  # applied already: combine only sums
         else:
-            dispatched = self.comm.dispatch(x, ids, self.routing.num_experts)
+            dispatched = self.comm.dispatch(x, ids, slots)
         expert_out = self.ops.expert_ffn(dispatched.hidden, dispatched.tokens_per_expert, self.w13, self.w2, **kwargs)
         out = self.comm.combine(expert_out, dispatched, weights)  # [T, D]
         return out if self.shared is None else out + self.shared(x)

@@ -1,0 +1,56 @@
+"""The multi-rank engine (deepinfer_core/parallel/data_parallel.py): real rank processes in a gloo world, the
+routed experts split between them, against the same model on one rank.
+
+rowwise_cpu computes every row on its own (batch-invariant), so a token's logits do not depend on which rows
+share its expert GEMMs on which rank, and the combine sums in routing order: seeded outputs are the one-rank
+outputs token for token. World sizes that do not divide the experts (4 experts on 3 ranks, 5 on 2) run with
+redundant copies of some experts and tokens spread over the copies."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from deepinfer import LLM, SamplingParams
+from deepinfer_core.errors import DeepInferError
+
+V41 = Path(__file__).parents[1] / "fixtures" / "deepseek_v41" / "engram_top1"
+PROMPTS = [[5 + i, 17, 33 + 2 * i, 9, 60 - i] for i in range(5)] + [[7] * 3, list(range(10, 40))]
+
+
+def outputs(model, size: int, **options) -> list[tuple[int, ...]]:
+    params = [SamplingParams(max_tokens=10, temperature=1.0, seed=i, ignore_eos=True) for i in range(len(PROMPTS))]
+    llm = LLM(
+        model, accelerator="rowwise_cpu", max_num_seqs=4, progress=False, num_kv_blocks=64,
+        data_parallel_size=size, enable_expert_parallel=size > 1, **options,
+    )  # fmt: skip
+    try:
+        return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+    finally:
+        if size > 1:
+            llm.engine.shutdown()
+
+
+@pytest.mark.parametrize("size", [2, 3])
+def test_v3_on_several_ranks_gives_the_one_rank_tokens(tiny_checkpoint, size):
+    expected = outputs(tiny_checkpoint, 1)
+    assert len({tokens for tokens in expected}) > 1  # the prompts do not all give the same tokens
+    assert outputs(tiny_checkpoint, size) == expected
+
+
+def test_v4_and_v41_on_two_ranks_give_the_one_rank_tokens():
+    # the demo model (DeepSeek-V4, hash-routed first MoE layer) and a V4.1 checkpoint with 5 experts (its
+    # vocabulary, 338, holds every prompt token)
+    for model in (None, V41):
+        assert outputs(model, 2) == outputs(model, 1), model
+
+
+def test_a_rank_that_cannot_start_is_a_clear_error(tmp_path):
+    with pytest.raises(DeepInferError, match=r"engine rank \d could not start: .*no config.json"):
+        LLM(str(tmp_path), accelerator="rowwise_cpu", data_parallel_size=2, enable_expert_parallel=True)
+
+
+def test_speculative_decoding_is_refused_across_ranks(tiny_checkpoint):
+    with pytest.raises(DeepInferError, match="speculative decoding does not run with data_parallel_size"):
+        LLM(tiny_checkpoint, data_parallel_size=2, speculative_config={"method": "ngram", "num_speculative_tokens": 2})
