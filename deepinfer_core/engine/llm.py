@@ -101,6 +101,9 @@ class LLM:
         own requests. enable_expert_parallel: the ranks split the routed experts between them and every MoE
         layer dispatches and combines over torch.distributed (else every rank holds all of them). With more
         than one rank this process loads no model (`model` and `backend` are None) and feeds the ranks.
+    enable_eplb / eplb_config: re-place the experts (with redundant copies) between the ranks from their recent
+        loads while serving (parallel/eplb_runtime.py; vLLM's names: {"window_size", "step_interval",
+        "num_redundant_experts"}).
     expert_parallel_rank: (rank, world size) of an engine rank whose torch.distributed world is up (the ranks
         data_parallel_size starts pass it); None: one rank, every expert here.
     """
@@ -135,8 +138,13 @@ class LLM:
         backend: ResolvedBackend | None = None,
         data_parallel_size: int = 1,
         enable_expert_parallel: bool = False,
+        enable_eplb: bool = False,
+        eplb_config: dict | None = None,
         expert_parallel_rank: tuple[int, int] | None = None,
     ) -> None:
+        if enable_eplb and not (data_parallel_size > 1 and enable_expert_parallel):
+            raise DeepInferError("enable_eplb balances experts between ranks: give data_parallel_size > 1 and "
+                                 "enable_expert_parallel=True")  # fmt: skip
         if data_parallel_size != 1:
             self._start_ranks(locals())
             return
@@ -212,6 +220,7 @@ class LLM:
         """data_parallel_size > 1: start the engine ranks (each builds its engine from these arguments); this
         process keeps the tokenizer and feeds them."""
         from deepinfer_core.parallel.data_parallel import DataParallelEngine
+        from deepinfer_core.parallel.eplb_runtime import EplbConfig
 
         size, expert_parallel = arguments["data_parallel_size"], arguments["enable_expert_parallel"]
         if not isinstance(size, int) or isinstance(size, bool) or size < 1:
@@ -223,10 +232,12 @@ class LLM:
                 "speculative decoding does not run with data_parallel_size > 1 yet (a draft model's MoE layers "
                 "would have to step with the other ranks'); drop speculative_config or run one rank"
             )
-        skip = {"self", "data_parallel_size", "enable_expert_parallel", "expert_parallel_rank", "backend", "progress"}
+        skip = {"self", "data_parallel_size", "enable_expert_parallel", "expert_parallel_rank", "backend", "progress",
+                "enable_eplb", "eplb_config"}  # fmt: skip
         options = {k: v for k, v in arguments.items() if k not in skip and not k.startswith("__")}
         options.update(progress=False, graph_batch_size=0)  # no device graphs around the ranks' collectives
-        self.engine = DataParallelEngine(size, options, expert_parallel)
+        eplb = EplbConfig.parse(arguments["eplb_config"]) if arguments["enable_eplb"] else None
+        self.engine = DataParallelEngine(size, options, expert_parallel, eplb)
         self.backend = self.model = None
         self.model_name = self.engine.rank_info[0]["model"]
         location = self.engine.rank_info[0]["path"]

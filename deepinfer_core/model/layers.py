@@ -81,6 +81,7 @@ class MoE:
         self.ops, self.comm, self.routing, self.limit = backend.ops, backend.communicator, routing, limit
         self.weight_before_down, self.dtype = weight_before_down, backend.dtype
         self.calls = 0  # forwards through this layer (parallel/lockstep.py counts them per model forward)
+        self.load: torch.Tensor | None = None  # [E] tokens routed to each expert, where EPLB counts them
         self.gate, self.bias, self.shared, self.hash_table = gate, bias, shared, hash_table  # gate [E, D] float32
         # which copy of which expert each physical slot holds; this rank holds its share of the slots
         self.slots = ExpertSlots.default(routing.num_experts, self.comm.world_size, gate.device)
@@ -115,6 +116,8 @@ class MoE:
             table = self.hash_table[token_ids]
             weights, ids = self.ops.moe_route(router_logits, self.routing, self.bias, expert_ids=table)
         kwargs = _limit(self.limit, "swiglu_limit")
+        if self.load is not None:
+            self.load.scatter_add_(0, ids.reshape(-1), torch.ones_like(ids.reshape(-1)))
         ids, slots = self.slots.route(ids), self.slots.num_physical  # [T, K] physical slots
         if self.weight_before_down:
             dispatched = self.comm.dispatch(x, ids, slots, weights)

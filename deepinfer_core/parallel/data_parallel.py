@@ -59,7 +59,7 @@ class DataParallelEngine:
     options: the LLM keyword arguments every rank builds its engine with (model, accelerator, dtype, ...).
     expert_parallel: the ranks split the routed experts (one expert-parallel world); else each holds them all."""
 
-    def __init__(self, size: int, options: dict[str, Any], expert_parallel: bool = True) -> None:
+    def __init__(self, size: int, options: dict[str, Any], expert_parallel: bool = True, eplb=None) -> None:
         if size < 1:
             raise DeepInferError(f"data_parallel_size must be at least 1, got {size}")
         self.size = size
@@ -70,7 +70,7 @@ class DataParallelEngine:
         self._processes = [
             context.Process(
                 target=_rank_main,
-                args=(rank, size, address, options, expert_parallel, self._inboxes[rank], self._outbox),
+                args=(rank, size, address, options, expert_parallel, eplb, self._inboxes[rank], self._outbox),
                 name=f"deepinfer-rank-{rank}",
                 daemon=True,
             )
@@ -81,6 +81,7 @@ class DataParallelEngine:
         self._loads = [_RankLoad() for _ in range(size)]
         self._owner: dict[str, int] = {}
         self._rejected: list[tuple[str, str]] = []
+        self._pending: list = []  # outputs that arrived while waiting for something else
         self.rank_info: list[dict] = [{}] * size
         self._wait_ready()
 
@@ -120,8 +121,9 @@ class DataParallelEngine:
 
     def step(self, timeout_s: float = 0.05) -> list:
         """The outputs the ranks reported since the last call (waiting up to `timeout_s` for the first)."""
-        outputs, deadline = [], time.monotonic() + timeout_s
-        message = self._receive(timeout_s)
+        outputs, self._pending = self._pending, []
+        deadline = time.monotonic() + timeout_s
+        message = self._receive(0.0 if outputs else timeout_s)
         while message is not None:
             outputs.extend(self._handle(message))
             message = self._receive(max(0.0, deadline - time.monotonic()) if not outputs else 0.0)
@@ -129,6 +131,22 @@ class DataParallelEngine:
             request_id, reason = self._rejected.pop(0)
             raise RequestError(f"request {request_id}: {reason}")
         return outputs
+
+    def rank_stats(self, timeout_s: float = 60.0) -> list[dict]:
+        """Each rank's EPLB statistics (rebalances so far, moe_lb of each placement on its window)."""
+        for inbox in self._inboxes:
+            inbox.put(("stats",))
+        stats: list[dict | None] = [None] * self.size
+        deadline = time.monotonic() + timeout_s
+        while any(s is None for s in stats):
+            message = self._receive(deadline - time.monotonic())
+            if message is None:
+                raise DeepInferError(f"the engine ranks did not report their statistics within {timeout_s:.0f} s")
+            if message[0] == "stats":
+                stats[message[1]] = message[2]
+            else:
+                self._pending.extend(self._handle(message))
+        return stats
 
     def _handle(self, message: tuple) -> list:
         kind, rank = message[0], message[1]
@@ -192,7 +210,7 @@ class DataParallelEngine:
 # ---- the rank processes -------------------------------------------------------------------------
 
 
-def _rank_main(rank: int, size: int, address: str, options: dict, expert_parallel: bool, inbox, outbox) -> None:
+def _rank_main(rank: int, size: int, address: str, options: dict, expert_parallel: bool, eplb, inbox, outbox) -> None:
     """A rank process: join the world, build the engine, then serve requests in lockstep with the others."""
     import torch
     import torch.distributed as dist
@@ -211,7 +229,13 @@ def _rank_main(rank: int, size: int, address: str, options: dict, expert_paralle
         outbox.put(("failed", rank, f"{type(err).__name__}: {err}"))
         return
     try:
-        _serve(llm.engine, inbox, outbox, rank, control, expert_parallel, torch, dist)
+        balancer = None
+        if eplb is not None:
+            from deepinfer_core.model.layers import moe_layers
+            from deepinfer_core.parallel.eplb_runtime import ExpertBalancer
+
+            balancer = ExpertBalancer(moe_layers(llm.engine.model), eplb, rank, size, control)
+        _serve(llm.engine, inbox, outbox, rank, control, expert_parallel, balancer, torch, dist)
     except Exception as err:  # noqa: BLE001
         log.exception("engine rank %d failed", rank)
         outbox.put(("failed", rank, f"{type(err).__name__}: {err}"))
@@ -231,14 +255,14 @@ def process_group_kind(accelerator: str | None) -> str:
     return kinds[0] if kinds else "gloo"
 
 
-def _serve(engine, inbox, outbox, rank: int, control, expert_parallel: bool, torch, dist) -> None:
+def _serve(engine, inbox, outbox, rank: int, control, expert_parallel: bool, balancer, torch, dist) -> None:
     from deepinfer_core.parallel.lockstep import MoELockstep
 
     lockstep = MoELockstep(engine.model) if expert_parallel else None
     engine.runner.lockstep = lockstep
     stopping = False
     while True:
-        stopping |= _drain(engine, inbox, outbox, rank)
+        stopping |= _drain(engine, inbox, outbox, rank, balancer)
         flags = torch.tensor([int(engine.has_unfinished()), int(stopping)])
         dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=control)
         if flags[1]:
@@ -250,11 +274,13 @@ def _serve(engine, inbox, outbox, rank: int, control, expert_parallel: bool, tor
         outputs = engine.step()
         if lockstep is not None and lockstep.forwards == forwards:
             lockstep.idle_forward()
+        if balancer is not None:
+            balancer.after_step()
         if outputs:
             outbox.put(("outputs", rank, outputs))
 
 
-def _drain(engine, inbox, outbox, rank: int) -> bool:
+def _drain(engine, inbox, outbox, rank: int, balancer) -> bool:
     """Take every message waiting; True when asked to stop."""
     while True:
         try:
@@ -265,6 +291,11 @@ def _drain(engine, inbox, outbox, rank: int) -> bool:
             return True
         if message[0] == "abort":
             engine.abort(message[1])
+        elif message[0] == "stats":
+            stats = {"rebalances": 0, "balancedness": []}
+            if balancer is not None:
+                stats = {"rebalances": balancer.rebalances, "balancedness": balancer.balancedness}
+            outbox.put(("stats", rank, stats))
         elif message[0] == "add":
             try:
                 engine.add_request(message[1], message[2], message[3])

@@ -19,14 +19,17 @@ V41 = Path(__file__).parents[1] / "fixtures" / "deepseek_v41" / "engram_top1"
 PROMPTS = [[5 + i, 17, 33 + 2 * i, 9, 60 - i] for i in range(5)] + [[7] * 3, list(range(10, 40))]
 
 
-def outputs(model, size: int, **options) -> list[tuple[int, ...]]:
+def outputs(model, size: int, stats: list | None = None, **options) -> list[tuple[int, ...]]:
     params = [SamplingParams(max_tokens=10, temperature=1.0, seed=i, ignore_eos=True) for i in range(len(PROMPTS))]
     llm = LLM(
         model, accelerator="rowwise_cpu", max_num_seqs=4, progress=False, num_kv_blocks=64,
         data_parallel_size=size, enable_expert_parallel=size > 1, **options,
     )  # fmt: skip
     try:
-        return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+        tokens = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+        if stats is not None:
+            stats.extend(llm.engine.rank_stats())
+        return tokens
     finally:
         if size > 1:
             llm.engine.shutdown()
@@ -44,6 +47,23 @@ def test_v4_and_v41_on_two_ranks_give_the_one_rank_tokens():
     # vocabulary, 338, holds every prompt token)
     for model in (None, V41):
         assert outputs(model, 2) == outputs(model, 1), model
+
+
+def test_eplb_rebalancing_mid_run_changes_no_output(tiny_checkpoint):
+    """Experts re-placed (with two redundant copies, weights moved between the ranks) every 2 steps of the run."""
+    stats = []
+    eplb = {"window_size": 4, "step_interval": 2, "num_redundant_experts": 2}
+    moved = outputs(tiny_checkpoint, 2, stats, enable_eplb=True, eplb_config=eplb)
+    assert all(rank["rebalances"] >= 3 for rank in stats), stats
+    assert moved == outputs(tiny_checkpoint, 1)
+
+
+def test_eplb_settings_are_checked():
+    with pytest.raises(DeepInferError, match="enable_eplb balances experts between ranks"):
+        LLM(accelerator="rowwise_cpu", enable_eplb=True)
+    with pytest.raises(DeepInferError, match="eplb_config has unknown keys"):
+        LLM(accelerator="rowwise_cpu", data_parallel_size=2, enable_expert_parallel=True, enable_eplb=True,
+            eplb_config={"window": 3})  # fmt: skip
 
 
 def test_a_rank_that_cannot_start_is_a_clear_error(tmp_path):

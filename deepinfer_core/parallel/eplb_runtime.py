@@ -1,0 +1,137 @@
+"""EPLB while serving: count each MoE layer's tokens per expert, and every `step_interval` steps re-place the
+experts (parallel/eplb.py) from the last `window_size` steps' counts and move their weights between the ranks.
+
+Every rank runs this after every step of the lockstep (parallel/data_parallel.py), so all of them rebalance at
+the same step: the counts are summed over the ranks (one all-reduce), every rank computes the same placement,
+and one all-to-all per layer and weight carries each new slot's expert from the lowest rank that holds it now.
+The engine stops for no longer than that. Expert weights held quantized (BlockFP8 / MXFP4) are not moved yet:
+such models refuse EPLB at start.
+
+vLLM's names for the settings (`--enable-eplb`, `--eplb-config` window_size / step_interval /
+num_redundant_experts).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from deepinfer_core.errors import DeepInferError
+from deepinfer_core.parallel.eplb import balance_ratio, rebalance
+from deepinfer_core.parallel.expert_slots import ExpertSlots
+
+__all__ = ["EplbConfig", "ExpertBalancer"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class EplbConfig:
+    window_size: int = 1000  # steps of counts a placement is computed from
+    step_interval: int = 10000  # steps between placements
+    num_redundant_experts: int | None = None  # copies beyond one per expert (None: one per rank, the seeds' decode)
+
+    @classmethod
+    def parse(cls, raw: dict | None) -> EplbConfig:
+        raw = dict(raw or {})
+        unknown = sorted(set(raw) - {"window_size", "step_interval", "num_redundant_experts"})
+        if unknown:
+            raise DeepInferError(
+                f"eplb_config has unknown keys {unknown}; it takes window_size, step_interval, num_redundant_experts"
+            )
+        config = cls(**raw)
+        for name in ("window_size", "step_interval"):
+            value = getattr(config, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise DeepInferError(f"eplb_config.{name} must be a positive integer, got {value!r}")
+        extra = config.num_redundant_experts
+        if extra is not None and (isinstance(extra, bool) or not isinstance(extra, int) or extra < 0):
+            raise DeepInferError(f"eplb_config.num_redundant_experts must be 0 or more, got {extra!r}")
+        return config
+
+
+class ExpertBalancer:
+    """One rank's side of EPLB over the MoE `layers` (model/layers.MoE, counting their tokens)."""
+
+    def __init__(self, layers: list, config: EplbConfig, rank: int, world_size: int, control=None) -> None:
+        """control: the ranks' gloo group for the counts (None: the default group, gloo too); the weights move
+        over the default group (the backend's process-group kind)."""
+        import torch.distributed as dist
+
+        self.layers, self.config, self.rank, self.world_size = layers, config, rank, world_size
+        self.control, self.group = control, None
+        self._dist = dist
+        experts = layers[0].routing.num_experts
+        if any(not isinstance(w, torch.Tensor) for layer in layers for w in (layer.w13, layer.w2)):
+            raise DeepInferError("EPLB moves expert weights held as plain tensors only; this model's are quantized")
+        extra = world_size if config.num_redundant_experts is None else config.num_redundant_experts
+        self.num_physical = -(-(experts + extra) // world_size) * world_size
+        device = layers[0].gate.device
+        self._window = torch.zeros((config.window_size, len(layers), experts), dtype=torch.int64, device=device)
+        self.steps = 0
+        self.rebalances = 0
+        self.balancedness: list[float] = []  # moe_lb ratio of each placement on the window it came from
+        for layer in layers:
+            layer.load = torch.zeros(experts, dtype=torch.int64, device=device)
+
+    def after_step(self) -> None:
+        """Record this step's counts; re-place every step_interval steps."""
+        slot = self.steps % self.config.window_size
+        for i, layer in enumerate(self.layers):
+            self._window[slot, i] = layer.load
+            layer.load.zero_()
+        self.steps += 1
+        if self.steps % self.config.step_interval == 0:
+            self.rebalance()
+
+    def rebalance(self) -> None:
+        started = time.perf_counter()
+        counts = self._window.sum(dim=0).cpu()  # [L, E] this rank's
+        self._dist.all_reduce(counts, group=self.control)  # every rank's
+        placement = rebalance(counts, self.num_physical, 1, 1, self.world_size)
+        for index, layer in enumerate(self.layers):
+            slots = ExpertSlots.from_placement(placement, index, layer.gate.device)
+            layer.w13 = self._moved(layer.slots, slots, layer.w13)
+            layer.w2 = self._moved(layer.slots, slots, layer.w2)
+            layer.slots = slots
+        loads = placement.rank_loads(counts, self.world_size)
+        self.balancedness.append(float(balance_ratio(loads).mean()))
+        self.rebalances += 1
+        log.info(
+            "EPLB: experts re-placed at step %d in %.3f s (moe_lb on the window %.3f)",
+            self.steps, time.perf_counter() - started, self.balancedness[-1],
+        )  # fmt: skip
+
+    def _moved(self, old: ExpertSlots, new: ExpertSlots, local: torch.Tensor) -> torch.Tensor:
+        """This rank's stack [S_new, ...] of the new slots' expert weights, fetched from the ranks holding them
+        (each expert from the lowest rank whose old slots hold it; its first such slot)."""
+        world, rank = self.world_size, self.rank
+        old_per, new_per = old.num_physical // world, new.num_physical // world
+        source = {}  # expert -> (rank, local index) it is taken from
+        for slot, expert in enumerate(old.physical_to_logical.tolist()):
+            source.setdefault(expert, (slot // old_per, slot % old_per))
+        new_experts = new.physical_to_logical.tolist()
+        sends = [[source[e][1] for e in new_experts[d * new_per : (d + 1) * new_per] if source[e][0] == rank]
+                 for d in range(world)]  # fmt: skip
+        mine = new_experts[rank * new_per : (rank + 1) * new_per]
+        receives = [sum(1 for e in mine if source[e][0] == s) for s in range(world)]
+        shape = local.shape[1:]
+        send = torch.cat([local[torch.tensor(rows, dtype=torch.long)] for rows in sends]) if any(sends) else local[:0]
+        received = local.new_empty((sum(receives), *shape))
+        per_expert = local[0].numel()
+        self._dist.all_to_all_single(
+            received.view(-1), send.contiguous().view(-1),
+            [n * per_expert for n in receives], [len(rows) * per_expert for rows in sends], group=self.group,
+        )  # fmt: skip
+        # received: from rank 0 its slots for me in my slot order, then rank 1's, ...
+        starts = [sum(receives[:s]) for s in range(world)]
+        taken = [0] * world
+        order = []
+        for expert in mine:
+            s = source[expert][0]
+            order.append(starts[s] + taken[s])
+            taken[s] += 1
+        return received[torch.tensor(order, dtype=torch.long)].contiguous()
