@@ -111,9 +111,9 @@ class ExpertBalancer:
         world, rank = self.world_size, self.rank
         old_per, new_per = old.num_physical // world, new.num_physical // world
         source = {}  # expert -> (rank, local index) it is taken from
-        for slot, expert in enumerate(old.physical_to_logical.tolist()):
+        for slot, expert in enumerate(old.physical_to_logical):
             source.setdefault(expert, (slot // old_per, slot % old_per))
-        new_experts = new.physical_to_logical.tolist()
+        new_experts = new.physical_to_logical
         sends = [[source[e][1] for e in new_experts[d * new_per : (d + 1) * new_per] if source[e][0] == rank]
                  for d in range(world)]  # fmt: skip
         mine = new_experts[rank * new_per : (rank + 1) * new_per]

@@ -21,22 +21,21 @@ __all__ = ["ExpertSlots"]
 
 @dataclass(frozen=True, slots=True)
 class ExpertSlots:
-    physical_to_logical: torch.Tensor  # [P] int64: the expert each slot holds
-    copies: torch.Tensor  # [E] int64: how many slots hold each expert (on the layer's device)
-    logical_to_physical: torch.Tensor  # [E, most copies] int64: an expert's slots, -1 past its count (on the device)
+    physical_to_logical: tuple[int, ...]  # [P]: the expert each slot holds (host metadata, not a tensor)
+    copies: torch.Tensor | None  # [E] int64: how many slots hold each expert (on the layer's device; None: identity)
+    logical_to_physical: torch.Tensor | None  # [E, most copies] int64: an expert's slots, -1 past its count
     identity: bool  # slot e is expert e, one copy each: routing changes nothing
 
     @property
     def num_physical(self) -> int:
-        return self.physical_to_logical.shape[0]
+        return len(self.physical_to_logical)
 
     @classmethod
     def default(cls, num_experts: int, world_size: int, device: torch.device | str = "cpu") -> ExpertSlots:
         """One copy per expert where the ranks divide the experts; else the fewest copies that fill whole ranks,
         placed as EPLB places them under even loads."""
         if num_experts % world_size == 0:
-            ids = torch.arange(num_experts)
-            return cls(ids, torch.ones(num_experts, dtype=torch.int64, device=device), ids[:, None].to(device), True)
+            return cls(tuple(range(num_experts)), None, None, True)
         physical = -(-num_experts // world_size) * world_size
         return cls.from_placement(rebalance(torch.ones(1, num_experts), physical, 1, 1, world_size), 0, device)
 
@@ -44,7 +43,7 @@ class ExpertSlots:
     def from_placement(cls, placement: ExpertPlacement, layer: int, device: torch.device | str = "cpu") -> ExpertSlots:
         """Layer `layer` of an EPLB placement."""
         return cls(
-            placement.physical_to_logical[layer].clone(),
+            tuple(placement.physical_to_logical[layer].tolist()),
             placement.logical_count[layer].to(device),
             placement.logical_to_physical[layer].to(device),
             False,
@@ -53,7 +52,7 @@ class ExpertSlots:
     def held_by(self, rank: int, world_size: int) -> list[int]:
         """The experts rank `rank` holds, slot by slot."""
         per_rank = self.num_physical // world_size
-        return self.physical_to_logical[rank * per_rank : (rank + 1) * per_rank].tolist()
+        return list(self.physical_to_logical[rank * per_rank : (rank + 1) * per_rank])
 
     def route(self, expert_ids: torch.Tensor) -> torch.Tensor:
         """expert_ids [T, K] -> the slots [T, K] that serve them (copy t mod copies for the token of row t)."""
