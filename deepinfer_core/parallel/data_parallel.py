@@ -107,6 +107,7 @@ class DataParallelEngine:
         rank = min(range(self.size), key=lambda r: (*self._loads[r].key(), r))
         self._owner[request_id] = rank
         self._loads[rank].requests.add(request_id)
+        # a text prompt's tokens are known once the rank reports; until then about 4 characters a token
         self._loads[rank].tokens[request_id] = len(prompt) if not isinstance(prompt, str) else len(prompt) // 4
         self._inboxes[rank].put(("add", request_id, prompt, params))
 
@@ -151,9 +152,11 @@ class DataParallelEngine:
     def _handle(self, message: tuple) -> list:
         kind, rank = message[0], message[1]
         if kind == "outputs":
+            kept = []
             for output in message[2]:
                 if self._owner.get(output.request_id) != rank:
                     continue  # aborted since
+                kept.append(output)
                 load = self._loads[rank]
                 load.tokens[output.request_id] = len(output.prompt_token_ids) + max(
                     (len(c.token_ids) for c in output.outputs), default=0
@@ -161,7 +164,7 @@ class DataParallelEngine:
                 if output.finished:
                     del self._owner[output.request_id]
                     self._forget(rank, output.request_id)
-            return [o for o in message[2]]
+            return kept
         if kind == "rejected":
             request_id = message[2]
             if self._owner.pop(request_id, None) is not None:

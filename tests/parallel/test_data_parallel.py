@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from deepinfer import LLM, SamplingParams
-from deepinfer_core.errors import DeepInferError
+from deepinfer_core.errors import DeepInferError, RequestError
 
 V41 = Path(__file__).parents[1] / "fixtures" / "deepseek_v41" / "engram_top1"
 PROMPTS = [[5 + i, 17, 33 + 2 * i, 9, 60 - i] for i in range(5)] + [[7] * 3, list(range(10, 40))]
@@ -64,6 +64,18 @@ def test_eplb_settings_are_checked():
     with pytest.raises(DeepInferError, match="eplb_config has unknown keys"):
         LLM(accelerator="rowwise_cpu", data_parallel_size=2, enable_expert_parallel=True, enable_eplb=True,
             eplb_config={"window": 3})  # fmt: skip
+
+
+def test_a_request_a_rank_refuses_is_a_clear_error_and_the_ranks_go_on(tiny_checkpoint):
+    llm = LLM(tiny_checkpoint, accelerator="rowwise_cpu", data_parallel_size=2, enable_expert_parallel=True,
+              num_kv_blocks=64, progress=False)  # fmt: skip
+    try:
+        with pytest.raises(RequestError, match="outside the vocabulary"):
+            llm.generate([[5, 6], [10**6]], SamplingParams(max_tokens=2), use_tqdm=False)
+        [done] = llm.generate([[5, 6]], SamplingParams(max_tokens=3, ignore_eos=True), use_tqdm=False)
+        assert len(done.outputs[0].token_ids) == 3
+    finally:
+        llm.engine.shutdown()
 
 
 def test_a_rank_that_cannot_start_is_a_clear_error(tmp_path):
