@@ -221,6 +221,7 @@ def _rank_main(rank: int, size: int, address: str, options: dict, expert_paralle
     try:
         from deepinfer_core.engine.llm import LLM
 
+        torch.set_num_threads(max(1, torch.get_num_threads() // size))  # the ranks share this host's cores
         kind = process_group_kind(options.get("accelerator")) if expert_parallel else "gloo"
         dist.init_process_group(kind, init_method=address, rank=rank, world_size=size, timeout=CONTROL_TIMEOUT)
         control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT) if kind != "gloo" else None
