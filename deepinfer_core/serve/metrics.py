@@ -142,7 +142,8 @@ class ServerMetrics:
         )
         self.grammar_mask = histogram(
             "deepinfer:structured_output_mask_seconds",
-            "Host time to fill one constrained request's token mask for one step.",
+            "Host time to fill one constrained request's token mask for one step (a step's masks fill in parallel: "
+            "the fill's time shared by its requests).",
             _MASK_BUCKETS,
         )
 

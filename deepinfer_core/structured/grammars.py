@@ -24,7 +24,7 @@ from deepinfer_core.sampling.bitmask import bitmask_width
 from deepinfer_core.structured.params import StructuredOutputsParams
 from deepinfer_core.structured.stats import StructuredOutputStats
 
-__all__ = ["GrammarCompiler", "GrammarState", "StructuredOutputError", "after_reasoning"]
+__all__ = ["GrammarCompiler", "GrammarState", "StructuredOutputError", "after_reasoning", "fill_masks"]
 
 
 class StructuredOutputError(RequestError):
@@ -35,9 +35,18 @@ class StructuredOutputError(RequestError):
 class GrammarCompiler:
     """Compiles StructuredOutputsParams for one tokenizer: `tokenizer_json` (the tokenizer.json text), the
     model's vocabulary (mask width: logits rows may be wider than the tokenizer) and its end-of-sequence ids
-    (what a finished grammar allows). Thread-safe; keeps the last `cache_size` grammars."""
+    (what a finished grammar allows). Thread-safe; keeps the last `cache_size` grammars. Its states' masks are
+    filled on `mask_threads` threads of llguidance's own (default: llguidance's, 80% of the host's cores, at most
+    32)."""
 
-    def __init__(self, tokenizer_json: str, vocab_size: int, eos_token_ids: Iterable[int], cache_size: int = 256):
+    def __init__(
+        self,
+        tokenizer_json: str,
+        vocab_size: int,
+        eos_token_ids: Iterable[int],
+        cache_size: int = 256,
+        mask_threads: int | None = None,
+    ):
         import llguidance
 
         self._llg = llguidance
@@ -49,6 +58,7 @@ class GrammarCompiler:
                 f"structured outputs need a tokenizer llguidance can read; this model's cannot be used ({err})"
             ) from None
         self.vocab_size = vocab_size
+        self._executor = llguidance.LLExecutor(mask_threads)
         self._cache: OrderedDict[tuple, tuple[str, object]] = OrderedDict()  # key -> (grammar, start matcher)
         self._cache_size = cache_size
         self._lock = threading.Lock()
@@ -64,7 +74,7 @@ class GrammarCompiler:
         template = self._entry(params)[1]
         with self._lock:
             matcher = template.deep_copy()
-        return GrammarState(matcher, self.vocab_size)
+        return GrammarState(matcher, self.vocab_size, self._executor)
 
     def _entry(self, params: StructuredOutputsParams) -> tuple[str, object]:
         """(grammar text, a matcher at its start, never advanced) of `params`, compiled on a cache miss."""
@@ -121,30 +131,19 @@ def after_reasoning(grammar: str, end_token: int) -> str:
 
 
 class GrammarState:
-    """One sequence's place in its grammar: which tokens it may emit next (`fill`), and the tokens it emitted
-    (`accept`). `finished`: the grammar is complete and allows only end-of-sequence from here."""
+    """One sequence's place in its grammar: which tokens it may emit next (`fill`, or `fill_masks` for a step's
+    rows), and the tokens it emitted (`accept`). `finished`: the grammar is complete and allows only
+    end-of-sequence from here."""
 
-    def __init__(self, matcher, vocab_size: int) -> None:
+    def __init__(self, matcher, vocab_size: int, executor) -> None:
         if matcher.is_error():
             raise StructuredOutputError(f"structured outputs' grammar failed to start: {matcher.get_error()}")
-        from llguidance.torch import fill_next_token_bitmask
-
-        self._matcher, self._fill = matcher, fill_next_token_bitmask
+        self._matcher, self._executor = matcher, executor
         self.width = bitmask_width(vocab_size)
 
     def fill(self, bitmask: torch.Tensor, row: int) -> None:
         """Write the allowed next tokens into row `row` of an int32 [rows, width] host bitmask."""
-        self._fill(self._matcher, bitmask, row)
-
-    def fill_after(self, tokens: Sequence[int], bitmask: torch.Tensor, row: int) -> None:
-        """Row `row`: the tokens allowed after `tokens` (a verify step's drafts before this row), the state then
-        rolled back. Drafts the grammar refuses leave the row unmasked: the row of the first refused draft
-        cannot sample it, so the drafts after it (and this row's token) are never kept."""
-        taken = self._matcher.try_consume_tokens(list(tokens)) if tokens else 0
-        if taken == len(tokens):
-            self.fill(bitmask, row)
-        if taken:
-            self._matcher.rollback(taken)
+        fill_masks([self], bitmask[row : row + 1])
 
     def accept(self, token: int) -> bool:
         """Advance by an emitted token; False when the grammar does not allow it (the state is then an error)."""
@@ -157,3 +156,32 @@ class GrammarState:
     @property
     def error(self) -> str | None:
         return self._matcher.get_error() if self._matcher.is_error() else None
+
+
+def fill_masks(
+    states: Sequence[GrammarState], bitmask: torch.Tensor, drafts: Sequence[Sequence[int]] | None = None
+) -> None:
+    """Row k of the int32 [len(states), width] host `bitmask` := the tokens states[k] allows next, after drafts[k]
+    where given (a verify step's drafted tokens before that row; the state is rolled back after). The rows fill in
+    parallel on llguidance's threads, without the GIL. A row whose drafts the grammar refuses is left as it was
+    (unmasked, when the caller set it to -1): the row of the first refused draft cannot sample it, so the drafts
+    after it, and this row's token, are never kept.
+
+    A speculative request has one row per draft position, all on one state; rows are filled in rounds by their
+    number of drafts, so that no round holds one state twice."""
+    if not states:
+        return
+    rounds: dict[int, list[int]] = {}
+    for k in range(len(states)):
+        rounds.setdefault(len(drafts[k]) if drafts is not None else 0, []).append(k)
+    from llguidance.torch import fill_next_token_bitmask_par
+
+    executor = states[0]._executor
+    for count, rows in sorted(rounds.items()):
+        taken = [states[k]._matcher.try_consume_tokens(list(drafts[k])) if count else 0 for k in rows]
+        ready = [(states[k]._matcher, k) for k, n in zip(rows, taken) if n == count]
+        if ready:
+            fill_next_token_bitmask_par(executor, ready, bitmask)
+        for k, n in zip(rows, taken):
+            if n:
+                states[k]._matcher.rollback(n)

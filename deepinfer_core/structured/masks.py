@@ -9,7 +9,7 @@ import torch
 
 from deepinfer_core.engine.transfer import host_staging, to_device
 from deepinfer_core.sampling.bitmask import masked_logits
-from deepinfer_core.structured.grammars import GrammarState
+from deepinfer_core.structured.grammars import GrammarState, fill_masks
 from deepinfer_core.structured.stats import StructuredOutputStats
 
 __all__ = ["apply_grammars", "mask_grammar_rows"]
@@ -25,18 +25,15 @@ def apply_grammars(
 ) -> torch.Tensor:
     """logits [S, V] with row rows[k] masked by grammars[k] (tokens it does not allow next are -inf), through the
     sampler's apply_token_bitmask (a backend's kernel) where it has one. drafts[k]: a verify step's drafted tokens
-    before row rows[k] (its mask is the grammar's after them). The masks are filled on the host; `stats` gets each
-    row's fill time. The mask reaches the device without the host waiting for the device's queued work (the
-    step's model, issued before this): pinned memory and an asynchronous copy where the device has them."""
+    before row rows[k] (its mask is the grammar's after them). The masks are filled on the host, the rows in
+    parallel (`fill_masks`); `stats` gets one sample per row: the fill's time shared by its rows. The mask reaches
+    the device without the host waiting for the device's queued work (the step's model, issued before this):
+    pinned memory and an asynchronous copy where the device has them."""
     mask = host_staging((len(rows), grammars[0].width), torch.int32, logits.device).fill_(-1)
-    for k, grammar in enumerate(grammars):
-        start = time.perf_counter()
-        if drafts is not None and drafts[k]:
-            grammar.fill_after(drafts[k], mask, k)
-        else:
-            grammar.fill(mask, k)
-        if stats is not None:
-            stats.mask_seconds.append(time.perf_counter() - start)
+    start = time.perf_counter()
+    fill_masks(grammars, mask, drafts)
+    if stats is not None:
+        stats.mask_seconds.extend([(time.perf_counter() - start) / len(rows)] * len(rows))
     bitmask = mask.to(logits.device, non_blocking=True)
     if len(rows) == logits.shape[0]:  # every row constrained: no gather and scatter of the rows
         return masked_logits(sampler, logits.clone(), bitmask)

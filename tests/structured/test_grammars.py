@@ -13,6 +13,7 @@ from deepinfer_core.engine.tokenizer import Tokenizer, demo_tokenizer_dir
 from deepinfer_core.errors import RequestError
 from deepinfer_core.sampling.bitmask import allowed_tokens
 from deepinfer_core.structured import GrammarCompiler, StructuredOutputError, StructuredOutputsParams
+from deepinfer_core.structured.grammars import fill_masks
 
 VOCAB = 129280  # the demo model's logits rows
 SCHEMA = {
@@ -151,8 +152,8 @@ def test_states_of_one_grammar_walk_independently(compiler, tokenizer):
 
 
 def test_a_verify_rows_mask_follows_the_drafts_before_it(compiler, tokenizer):
-    """fill_after(drafts) is the mask of the state those drafts lead to, and leaves the state where it was; a draft
-    the grammar refuses leaves the row unmasked (its token is never kept)."""
+    """fill_masks with drafts gives the mask of the state those drafts lead to, and leaves the state where it was; a
+    draft the grammar refuses leaves the row unmasked (its token is never kept)."""
     params = StructuredOutputsParams(json=SCHEMA)
     drafts = tokenizer.encode('{"name":"', add_special_tokens=False)
     state, advanced = compiler.state(params), compiler.state(params)
@@ -160,11 +161,43 @@ def test_a_verify_rows_mask_follows_the_drafts_before_it(compiler, tokenizer):
         assert advanced.accept(token)
     want = allowed(advanced)
     mask = torch.zeros(2, state.width, dtype=torch.int32)
-    state.fill_after(drafts, mask, 0)
+    fill_masks([state], mask[:1], [drafts])
     assert torch.equal(allowed_tokens(mask, VOCAB)[0], want)
     assert not torch.equal(want, allowed(state))  # the row's mask differs from the state's own
     assert torch.equal(allowed(state), allowed(compiler.state(params)))  # rolled back to the start
     refused = tokenizer.encode("nope", add_special_tokens=False)
     mask[1] = -1
-    state.fill_after(refused, mask, 1)
+    fill_masks([state], mask[1:], [refused])
     assert bool((mask[1] == -1).all())  # unmasked
+
+
+def test_a_steps_rows_fill_in_parallel_as_each_would_alone(compiler, tokenizer):
+    """One fill of many rows (several grammars, states at different places, a speculative request's rows at each
+    draft position on one state) writes each row as the state alone would, and leaves every state where it was."""
+    params = [
+        StructuredOutputsParams(json=SCHEMA),
+        StructuredOutputsParams(regex="[a-z ]+"),
+        StructuredOutputsParams(choice=["alpha", "beta"]),
+    ]
+    states = [compiler.state(p) for p in params for _ in range(3)]
+    prefixes = ['{"name":"A', "hello wor", "al"]
+    for k, state in enumerate(states):  # the second and third state of each grammar part-way through
+        for token in tokenizer.encode(prefixes[k // 3], add_special_tokens=False)[: k % 3 * 2]:
+            assert state.accept(token)
+    speculative = compiler.state(params[0])
+    drafts = tokenizer.encode('{"name":"Bo', add_special_tokens=False)
+    rows = states + [speculative] * (len(drafts) + 1)
+    row_drafts = [[]] * len(states) + [drafts[:n] for n in range(len(drafts) + 1)]
+    before = [allowed(state) for state in states]
+    mask = torch.full((len(rows), states[0].width), -1, dtype=torch.int32)
+    fill_masks(rows, mask, row_drafts)
+    got = allowed_tokens(mask, VOCAB)
+    for k in range(len(states)):
+        assert torch.equal(got[k], before[k]), k
+    walker = compiler.state(params[0])
+    for n in range(len(drafts) + 1):
+        assert torch.equal(got[len(states) + n], allowed(walker)), n
+        if n < len(drafts):
+            assert walker.accept(drafts[n])
+    assert torch.equal(allowed(speculative), allowed(compiler.state(params[0])))  # rolled back
+    assert len({tuple(row.nonzero().flatten().tolist()[:50]) for row in got}) > 4  # the rows differ
