@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import signal
 import sys
@@ -57,6 +58,10 @@ def build_state(settings: ServeSettings):
         batch_invariant=settings.batch_invariant,
         graph_batch_size=0 if settings.enforce_eager else 256,
         speculative_config=settings.speculative_config,
+        data_parallel_size=settings.data_parallel_size,
+        enable_expert_parallel=settings.enable_expert_parallel,
+        enable_eplb=settings.enable_eplb,
+        eplb_config=None if settings.eplb_config is None else json.loads(settings.eplb_config),
         progress=sys.stderr.isatty(),
     )
     if llm.tokenizer is None:
@@ -65,16 +70,14 @@ def build_state(settings: ServeSettings):
         )
     name = settings.served_model_name or llm.model_name
     recipe_tokenizer, encoding, options = build_recipe(str(llm.tokenizer_dir / "tokenizer.json"), name)
-    backend = llm.backend
+    if llm.backend is not None:
+        backend = (llm.backend.info.name, llm.backend.info.description, llm.backend.device.name)
+    else:  # several ranks: each has its own; rank 0's named
+        info = llm.engine.rank_info[0]
+        backend = (info["backend"], info["backend_description"], f"{info['device']} x {llm.engine.size} ranks")
     asked = requested_accelerator(accelerator)
-    log.info(
-        "backend %s selected (%s %s): %s on %s",
-        backend.info.name,
-        asked,
-        "from " + accelerator_source(accelerator) if asked != "auto" else "by priority",
-        backend.info.description,
-        backend.device.name,
-    )
+    how = "from " + accelerator_source(accelerator) if asked != "auto" else "by priority"
+    log.info("backend %s selected (%s %s): %s on %s", backend[0], asked, how, *backend[1:])
     log.info(
         "serving %s as %r, context %d tokens, %d KV blocks of %d tokens, prefix caching %s",
         llm.model_name,

@@ -249,9 +249,41 @@ def _connection_flags(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _parallel_flags(parser: argparse.ArgumentParser) -> None:
+    p = parser.add_argument_group("several ranks")
+    p.add_argument(
+        "--data-parallel-size",
+        "-dp",
+        metavar="N",
+        type=int,
+        default=_default("data_parallel_size"),
+        help="engine ranks, one process per device: each runs attention for its own requests; requests go to the "
+        "rank with the fewest, then the least KV",
+    )
+    p.add_argument(
+        "--enable-expert-parallel",
+        action="store_true",
+        help="the ranks split the routed experts (one expert-parallel world of --data-parallel-size ranks)",
+    )
+    p.add_argument(
+        "--enable-eplb",
+        action="store_true",
+        help="re-place the experts, with redundant copies, between the ranks from their recent loads while serving",
+    )
+    p.add_argument(
+        "--eplb-config",
+        metavar="JSON",
+        default=_default("eplb_config"),
+        help='EPLB\'s settings, vLLM\'s JSON: {"window_size": 1000, "step_interval": 10000, '
+        '"num_redundant_experts": N} (default: DeepSeek\'s decode settings: a window of 1000 steps, every 10000 '
+        "steps, one redundant expert per rank)",
+    )
+
+
 def add_serve_flags(parser: argparse.ArgumentParser) -> None:
     add_model_flags(parser)
     _engine_flags(parser)
+    _parallel_flags(parser)
     _server_flags(parser)
     _connection_flags(parser)
     add_common_flags(parser)

@@ -156,6 +156,11 @@ class ServeSettings(BaseSettings):
     batch_invariant: bool = False
     enforce_eager: bool = False
     speculative_config: str | None = None  # vLLM's JSON; engine/speculative.py parses and checks it
+    # several ranks (parallel/data_parallel.py)
+    data_parallel_size: int = Field(1, ge=1)
+    enable_expert_parallel: bool = False
+    enable_eplb: bool = False
+    eplb_config: str | None = None  # vLLM's JSON; parallel/eplb_runtime.EplbConfig parses and checks it
     # the HTTP server
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
@@ -194,6 +199,28 @@ class ServeSettings(BaseSettings):
             except SpeculativeError as err:
                 raise ValueError(str(err)) from None
         return value
+
+    @field_validator("eplb_config")
+    @classmethod
+    def _eplb(cls, value: str | None) -> str | None:
+        from deepinfer_core.parallel.eplb_runtime import EplbConfig
+
+        if value is not None:
+            raw = _json(value, '{"window_size": 1000, "step_interval": 10000}')
+            if not isinstance(raw, dict):
+                raise ValueError(f'expected a JSON object such as {{"window_size": 1000}}, got {json.dumps(raw)}')
+            try:
+                EplbConfig.parse(raw)
+            except DeepInferError as err:
+                raise ValueError(str(err)) from None
+        return value
+
+    @model_validator(mode="after")
+    def _eplb_needs_expert_parallel_ranks(self) -> ServeSettings:
+        if self.enable_eplb and not (self.data_parallel_size > 1 and self.enable_expert_parallel):
+            raise ValueError("--enable-eplb balances experts between ranks: give --data-parallel-size 2 or more and "
+                             "--enable-expert-parallel")  # fmt: skip
+        return self
 
     @model_validator(mode="after")
     def _one_kv_cache_size(self) -> ServeSettings:

@@ -104,8 +104,9 @@ class LLM:
     enable_eplb / eplb_config: re-place the experts (with redundant copies) between the ranks from their recent
         loads while serving (parallel/eplb_runtime.py; vLLM's names: {"window_size", "step_interval",
         "num_redundant_experts"}).
-    expert_parallel_rank: (rank, world size) of an engine rank whose torch.distributed world is up (the ranks
-        data_parallel_size starts pass it); None: one rank, every expert here.
+    expert_parallel_rank: (rank, world size) of an engine rank whose torch.distributed world is up, or (rank,
+        world size, device index) where its device is not the rank's (the ranks data_parallel_size starts pass it;
+        after a lost rank the survivors keep their devices); None: one rank, every expert here.
     """
 
     def __init__(
@@ -140,7 +141,7 @@ class LLM:
         enable_expert_parallel: bool = False,
         enable_eplb: bool = False,
         eplb_config: dict | None = None,
-        expert_parallel_rank: tuple[int, int] | None = None,
+        expert_parallel_rank: tuple[int, ...] | None = None,
     ) -> None:
         if enable_eplb and not (data_parallel_size > 1 and enable_expert_parallel):
             raise DeepInferError("enable_eplb balances experts between ranks: give data_parallel_size > 1 and "
@@ -185,10 +186,10 @@ class LLM:
         def resolve(entry) -> ResolvedBackend:
             chosen = choose_dtype(requested, entry.info, entry.capabilities, raw_config)
             check_kv_cache_dtype(kv_cache_dtype, entry.info, entry.capabilities, chosen)
-            rank, world = expert_parallel_rank or (0, 1)
+            rank, world, *device = expert_parallel_rank or (0, 1)
             return resolve_backend(
                 entry, dtype=chosen, block_size=block_size, batch_invariant=batch_invariant, world_size=world,
-                rank=rank, device_index=rank,
+                rank=rank, device_index=device[0] if device else rank,
             )  # fmt: skip
 
         if backend is not None:
@@ -246,6 +247,7 @@ class LLM:
             self.model_path, arguments["tokenizer"], arguments["download_dir"], False
         )
         self.tokenizer = Tokenizer.from_dir(self.tokenizer_dir) if self.tokenizer_dir else None
+        self.engine.tokenizer = self.tokenizer
         self._chat, self._next_id = None, 0
 
     @staticmethod

@@ -81,6 +81,7 @@ class MoE:
         self.ops, self.comm, self.routing, self.limit = backend.ops, backend.communicator, routing, limit
         self.weight_before_down, self.dtype = weight_before_down, backend.dtype
         self.calls = 0  # forwards through this layer (parallel/lockstep.py counts them per model forward)
+        self.expert_rows = 0  # rows (token x expert pairs) this rank's experts computed: the moe_lb ratio's load
         self.load: torch.Tensor | None = None  # [E] tokens routed to each expert, where EPLB counts them
         self.gate, self.bias, self.shared, self.hash_table = gate, bias, shared, hash_table  # gate [E, D] float32
         # which copy of which expert each physical slot holds; this rank holds its share of the slots
@@ -125,6 +126,7 @@ class MoE:
             weights = torch.ones_like(weights)  # applied already: combine only sums
         else:
             dispatched = self.comm.dispatch(x, ids, slots)
+        self.expert_rows += dispatched.hidden.shape[0]
         expert_out = self.ops.expert_ffn(dispatched.hidden, dispatched.tokens_per_expert, self.w13, self.w2, **kwargs)
         out = self.comm.combine(expert_out, dispatched, weights)  # [T, D]
         return out if self.shared is None else out + self.shared(x)

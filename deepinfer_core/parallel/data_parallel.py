@@ -1,18 +1,23 @@
 """Attention data parallelism with expert parallelism: one engine process per rank, one front that feeds them.
 
-Each rank runs its own engine (scheduler, KV cache, attention and the dense parts) on its own requests and
-holds 1/N of the routed experts; the MoE layers dispatch and combine through the backend's communicator over
-torch.distributed, so the ranks step in lockstep through them (parallel/lockstep.py): a rank with nothing to
-run runs an idle forward. Every iteration the ranks all-reduce whether any has work, over a gloo group of
-their own (the control plane; the MoE traffic goes over the backend's process-group kind).
+Each rank (parallel/rank_process.py) runs its own engine (scheduler, KV cache, attention and the dense parts) on
+its own requests and holds 1/N of the routed experts; the MoE layers dispatch and combine through the backend's
+communicator over torch.distributed, so the ranks step in lockstep through them (parallel/lockstep.py).
 
 The front (`DataParallelEngine`, what `LLM(data_parallel_size=N)` and the server hold instead of an `Engine`)
-starts the ranks as processes, sends each request to the rank with the fewest requests, then the least KV
-(the seeds' decode rule), and passes their outputs on. Requests and outputs travel over multiprocessing
-queues; the ranks find each other through torch.distributed's TCP rendezvous on this host.
+starts the ranks as processes, sends each request to the rank with the fewest requests, then the least KV (the
+seeds' decode rule), and passes their outputs on. Requests and outputs travel over multiprocessing queues; the
+ranks find each other through torch.distributed's TCP rendezvous on this host. It reads as one engine to the
+server: `scheduler`, `blocks` (parallel/rank_reports.py), `max_model_len`, `eos_token_ids`,
+`structured_compiler()`, `moe_lb_ratios()`.
+
+A lost rank (its process killed, or failed) restarts the instance with the healthy ones: every rank process is
+stopped, a world of the survivors (on their own devices) starts, the experts are placed over it afresh, and every
+request in flight is sent again from its prompt with the seed it had (the front draws a seed for a request that
+gives none, so the recomputed tokens are the same); what the client already received is not sent twice.
 
 Not yet: several nodes, speculative decoding across ranks (a drafter's MoE layers would need the lockstep
-too), device graphs across ranks, EPLB at runtime, restarting without a lost rank.
+too), device graphs across ranks, a rank's failure restarting on the same number of devices.
 """
 
 from __future__ import annotations
@@ -20,22 +25,23 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import queue
+import random
 import socket
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from datetime import timedelta
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from deepinfer_core.errors import DeepInferError, RequestError
+from deepinfer_core.parallel.rank_process import rank_main
+from deepinfer_core.parallel.rank_reports import MoELoad, RankReport, RanksBlocks, RanksScheduler
 
 __all__ = ["DataParallelEngine"]
 
 log = logging.getLogger(__name__)
 
 START_TIMEOUT_S = 600.0  # a rank loading its weights
-IDLE_POLL_S = 0.002  # a rank with no work anywhere waits this long for requests between checks
-CONTROL_TIMEOUT = timedelta(seconds=600)
+LOSS_SETTLE_S = 0.5  # after a rank fails or ends, how long the others get to notice and report
 
 
 @dataclass
@@ -57,41 +63,81 @@ class DataParallelEngine:
     """The front of `size` engine ranks: Engine's request interface (add_request, abort, step, has_unfinished).
 
     options: the LLM keyword arguments every rank builds its engine with (model, accelerator, dtype, ...).
-    expert_parallel: the ranks split the routed experts (one expert-parallel world); else each holds them all."""
+    expert_parallel: the ranks split the routed experts (one expert-parallel world); else each holds them all.
+    `tokenizer` (set by LLM): the served model's, for structured outputs' grammars (compiled here first)."""
 
     def __init__(self, size: int, options: dict[str, Any], expert_parallel: bool = True, eplb=None) -> None:
         if size < 1:
             raise DeepInferError(f"data_parallel_size must be at least 1, got {size}")
-        self.size = size
+        self._options, self._expert_parallel, self._eplb = options, expert_parallel, eplb
+        self._devices = list(range(size))  # rank r runs on the backend's device _devices[r]
+        self._seeds = random.Random(options.get("seed"))
+        self._requests: dict[str, tuple] = {}  # in flight: (prompt, params as sent)
+        self._delivered: dict[str, dict[int, tuple[int, int]]] = {}  # per sample: (tokens, characters) passed on
+        self._owner: dict[str, int] = {}
+        self._rejected: list[tuple[str, str]] = []
+        self._pending: list = []  # outputs that arrived while waiting for something else
+        self._moe_load = MoELoad()
+        self.restarts: list[dict] = []  # one entry per restart after a lost rank
+        self.tokenizer = None
+        self._grammars = None
+        self._processes: list = []
+        self._start()
+        info = self.rank_info[0]
+        self.max_model_len = info["max_model_len"]
+        self.eos_token_ids = frozenset(info["eos_token_ids"])
+
+    @property
+    def size(self) -> int:
+        return len(self._devices)
+
+    def _start(self) -> None:
+        """Start a world of one rank per device in `_devices` and wait until every rank is up."""
         context = multiprocessing.get_context("spawn")
         self._outbox = context.Queue()
-        self._inboxes = [context.Queue() for _ in range(size)]
+        self._inboxes = [context.Queue() for _ in self._devices]
         address = f"tcp://127.0.0.1:{_free_port()}"
+        size = self.size
         self._processes = [
             context.Process(
-                target=_rank_main,
-                args=(rank, size, address, options, expert_parallel, eplb, self._inboxes[rank], self._outbox),
+                target=rank_main,
+                args=(
+                    rank,
+                    size,
+                    device,
+                    address,
+                    self._options,
+                    self._expert_parallel,
+                    self._eplb,
+                    self._inboxes[rank],
+                    self._outbox,
+                ),  # fmt: skip
                 name=f"deepinfer-rank-{rank}",
                 daemon=True,
             )
-            for rank in range(size)
+            for rank, device in enumerate(self._devices)
         ]
         for process in self._processes:
             process.start()
         self._loads = [_RankLoad() for _ in range(size)]
-        self._owner: dict[str, int] = {}
-        self._rejected: list[tuple[str, str]] = []
-        self._pending: list = []  # outputs that arrived while waiting for something else
+        self._reports = [RankReport() for _ in range(size)]
         self.rank_info: list[dict] = [{}] * size
         self._wait_ready()
+        self.scheduler = RanksScheduler(self.rank_info, self._reports)
+        self.blocks = RanksBlocks(self.rank_info, self._reports)
 
     def _wait_ready(self) -> None:
         ready, deadline = 0, time.monotonic() + START_TIMEOUT_S
         while ready < self.size:
-            message = self._receive(deadline - time.monotonic())
-            if message is None:
-                self.shutdown()
-                raise DeepInferError(f"the engine ranks did not start within {START_TIMEOUT_S:.0f} s")
+            try:
+                message = self._outbox.get(timeout=1.0)
+            except queue.Empty:
+                dead = [p for p in self._processes if not p.is_alive()]
+                if dead or time.monotonic() > deadline:
+                    self.shutdown()
+                    why = f"{dead[0].name} ended (exit code {dead[0].exitcode})" if dead else "they took too long"
+                    raise DeepInferError(f"the engine ranks did not start: {why}") from None
+                continue
             if message[0] == "ready":
                 self.rank_info[message[1]] = message[2]
                 ready += 1
@@ -99,11 +145,41 @@ class DataParallelEngine:
                 self.shutdown()
                 raise DeepInferError(f"engine rank {message[1]} could not start: {message[2]}")
 
+    # ---- one engine to the server -----------------------------------------------------------------
+
+    def structured_compiler(self):
+        """Structured outputs' grammar compiler (made at the first call): the server compiles a request's grammar
+        here, off the ranks' lockstep, and refuses a bad one before it reaches a rank."""
+        from deepinfer_core.structured import GrammarCompiler
+
+        if self._grammars is None:
+            if self.tokenizer is None:
+                raise RequestError("structured outputs need the model's tokenizer; this engine was started without one")
+            info = self.rank_info[0]
+            self._grammars = GrammarCompiler(self.tokenizer.to_json(), info["vocab_size"], self.eos_token_ids)
+        return self._grammars
+
+    @property
+    def structured_stats(self):
+        """Grammar compile times (here) and the ranks' mask times, drained by the server's /metrics."""
+        return self._grammars.stats if self._grammars is not None else None
+
+    def moe_lb_ratios(self) -> list[float] | None:
+        """Each MoE layer's moe_lb ratio (slowest rank's expert rows / the mean) since the last call; None when
+        no MoE layer ran (parallel/rank_reports.MoELoad)."""
+        return self._moe_load.drain(self.size)
+
     # ---- requests -------------------------------------------------------------------------------
 
     def add_request(self, request_id: str, prompt: str | Sequence[int], params) -> None:
         if request_id in self._owner:
             raise RequestError(f"request id {request_id!r} is already in use")
+        if params.seed is None:  # a recomputed request (after a lost rank) must draw the same tokens again
+            params = replace(params, seed=self._seeds.getrandbits(64))
+        self._requests[request_id] = (prompt, params)
+        self._send(request_id, prompt, params)
+
+    def _send(self, request_id: str, prompt, params) -> None:
         rank = min(range(self.size), key=lambda r: (*self._loads[r].key(), r))
         self._owner[request_id] = rank
         self._loads[rank].requests.add(request_id)
@@ -113,6 +189,8 @@ class DataParallelEngine:
 
     def abort(self, request_id: str) -> None:
         rank = self._owner.pop(request_id, None)
+        self._requests.pop(request_id, None)
+        self._delivered.pop(request_id, None)
         if rank is not None:
             self._forget(rank, request_id)
             self._inboxes[rank].put(("abort", request_id))
@@ -152,53 +230,119 @@ class DataParallelEngine:
     def _handle(self, message: tuple) -> list:
         kind, rank = message[0], message[1]
         if kind == "outputs":
+            self._reports[rank] = report = message[3]
+            self._moe_load.add(rank, report.expert_rows)
+            if report.mask_seconds and self._grammars is not None:
+                self._grammars.stats.mask_seconds.extend(report.mask_seconds)
             kept = []
             for output in message[2]:
                 if self._owner.get(output.request_id) != rank:
                     continue  # aborted since
-                kept.append(output)
                 load = self._loads[rank]
                 load.tokens[output.request_id] = len(output.prompt_token_ids) + max(
                     (len(c.token_ids) for c in output.outputs), default=0
                 )
                 if output.finished:
                     del self._owner[output.request_id]
+                    self._requests.pop(output.request_id, None)
                     self._forget(rank, output.request_id)
+                if (output := self._undelivered(output)) is not None:
+                    kept.append(output)
             return kept
         if kind == "rejected":
             request_id = message[2]
             if self._owner.pop(request_id, None) is not None:
                 self._forget(rank, request_id)
+            self._requests.pop(request_id, None)
             self._rejected.append((request_id, message[3]))
             return []
         if kind == "failed":
-            self.shutdown()
-            raise DeepInferError(f"engine rank {rank} failed: {message[2]}")
+            self._recover({rank: message[2]})
         return []
+
+    def _undelivered(self, output):
+        """`output` less what was passed on before (a request recomputed after a lost rank reports its tokens
+        again from the first); None when nothing of it is new."""
+        delivered = self._delivered.setdefault(output.request_id, {})
+        samples = []
+        for sample in output.outputs:
+            tokens, chars = delivered.get(sample.index, (0, 0))
+            if len(sample.token_ids) <= tokens and sample.finish_reason is None:
+                continue
+            if len(sample.token_ids) - len(sample.new_token_ids) < tokens:  # partly passed on already
+                sample = replace(sample, new_token_ids=sample.token_ids[tokens:], new_text=sample.text[chars:])
+            delivered[sample.index] = (len(sample.token_ids), len(sample.text))
+            samples.append(sample)
+        if output.finished:
+            del self._delivered[output.request_id]
+        if not samples and not output.finished:
+            return None
+        return output if len(samples) == len(output.outputs) else replace(output, outputs=samples)
 
     def _forget(self, rank: int, request_id: str) -> None:
         self._loads[rank].requests.discard(request_id)
         self._loads[rank].tokens.pop(request_id, None)
 
     def _receive(self, timeout_s: float):
-        """The next message from the ranks, or None after `timeout_s`; an error if a rank process died."""
+        """The next message from the ranks, or None after `timeout_s`. A rank process that ended restarts the
+        instance on the others (`_recover`)."""
         try:
             return self._outbox.get(timeout=max(timeout_s, 0.0)) if timeout_s > 0 else self._outbox.get_nowait()
         except queue.Empty:
-            dead = [p for p in self._processes if not p.is_alive()]
-            if dead:
-                codes = ", ".join(f"{p.name} (exit code {p.exitcode})" for p in dead)
-                self.shutdown()
-                raise DeepInferError(f"engine rank process ended: {codes}") from None
+            if any(not p.is_alive() for p in self._processes):
+                self._recover({})
             return None
 
-    def shutdown(self) -> None:
-        """Stop every rank (idempotent)."""
+    def _lost_ranks(self, failed: dict[int, str]) -> tuple[list[int], str]:
+        """Which ranks were lost, once one failed (`failed`: rank -> the reason it reported) or ended. A lost rank
+        takes its peers' collectives down with it, and they report failing too: so the ranks whose processes
+        ended without a word (killed, crashed) are the lost ones; where there are none, the first that reported."""
+        time.sleep(LOSS_SETTLE_S)
+        while True:
+            try:
+                message = self._outbox.get_nowait()
+            except queue.Empty:
+                break
+            if message[0] == "failed":
+                failed.setdefault(message[1], message[2])
+        silent = [r for r, p in enumerate(self._processes) if not p.is_alive() and r not in failed]
+        if silent:
+            codes = ", ".join(str(self._processes[r].exitcode) for r in silent)
+            return silent, f"process ended without a word (exit code {codes})"
+        first = next(iter(failed))  # no silent end: one reported failing (a rank's own error)
+        return [first], failed[first]
+
+    def _recover(self, failed: dict[int, str]) -> None:
+        """Restart without the lost ranks (`_lost_ranks`): stop every rank process, start a world of the others
+        on their devices (the experts placed over it afresh), and send every request in flight again from its
+        prompt."""
+        started = time.monotonic()
+        lost, reason = self._lost_ranks(dict(failed))
+        devices = [d for rank, d in enumerate(self._devices) if rank not in lost]
+        log.error("engine rank(s) %s lost: %s; restarting on %d rank(s)", lost, reason, len(devices))
+        self.shutdown(wait_s=0.0)  # the others may be blocked in a collective with the lost rank
+        if not devices:
+            raise DeepInferError(f"every engine rank was lost (the last: {reason}); restart the server")
+        self._devices = devices
+        self._owner.clear()
+        self._start()
+        for request_id, (prompt, params) in self._requests.items():
+            self._send(request_id, prompt, params)
+        seconds = time.monotonic() - started
+        self.restarts.append({"lost": lost, "reason": reason, "world_size": self.size, "seconds": seconds,
+                              "requeued": len(self._requests)})  # fmt: skip
+        log.warning(
+            "engine restarted with %d rank(s) in %.2f s; %d request(s) re-queued (recomputed from their prompts)",
+            self.size, seconds, len(self._requests),
+        )  # fmt: skip
+
+    def shutdown(self, wait_s: float = 10.0) -> None:
+        """Stop every rank (idempotent): asked to stop, then killed after `wait_s`."""
         for inbox, process in zip(self._inboxes, self._processes):
-            if process.is_alive():
+            if process.is_alive() and wait_s > 0:
                 inbox.put(("stop",))
         for process in self._processes:
-            process.join(timeout=10)
+            process.join(timeout=wait_s)
             if process.is_alive():
                 process.kill()
                 process.join(timeout=5)
@@ -208,100 +352,3 @@ class DataParallelEngine:
             self.shutdown()
         except Exception:  # interpreter shutdown: nothing left to stop
             pass
-
-
-# ---- the rank processes -------------------------------------------------------------------------
-
-
-def _rank_main(rank: int, size: int, address: str, options: dict, expert_parallel: bool, eplb, inbox, outbox) -> None:
-    """A rank process: join the world, build the engine, then serve requests in lockstep with the others."""
-    import torch
-    import torch.distributed as dist
-
-    try:
-        from deepinfer_core.engine.llm import LLM
-
-        torch.set_num_threads(max(1, torch.get_num_threads() // size))  # the ranks share this host's cores
-        kind = process_group_kind(options.get("accelerator")) if expert_parallel else "gloo"
-        dist.init_process_group(kind, init_method=address, rank=rank, world_size=size, timeout=CONTROL_TIMEOUT)
-        control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT) if kind != "gloo" else None
-        llm = LLM(**options, expert_parallel_rank=(rank, size) if expert_parallel else None)
-        path = getattr(llm, "model_path", None)
-        info = {"backend": llm.backend.info.name, "model": llm.model_name, "path": None if path is None else str(path)}
-        outbox.put(("ready", rank, info))
-    except Exception as err:  # noqa: BLE001 - a rank that cannot start says why, then ends
-        outbox.put(("failed", rank, f"{type(err).__name__}: {err}"))
-        return
-    try:
-        balancer = None
-        if eplb is not None:
-            from deepinfer_core.model.layers import moe_layers
-            from deepinfer_core.parallel.eplb_runtime import ExpertBalancer
-
-            balancer = ExpertBalancer(moe_layers(llm.engine.model), eplb, rank, size, control)
-        _serve(llm.engine, inbox, outbox, rank, control, expert_parallel, balancer, torch, dist)
-    except Exception as err:  # noqa: BLE001
-        log.exception("engine rank %d failed", rank)
-        outbox.put(("failed", rank, f"{type(err).__name__}: {err}"))
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
-
-def process_group_kind(accelerator: str | None) -> str:
-    """The torch.distributed backend the selected backend's communicator runs on: its capabilities'
-    "torch_distributed:<kind>" entry (gloo where it names none)."""
-    from deepinfer_core.backend.registry import discover
-    from deepinfer_core.backend.selection import select_backend
-
-    entry = select_backend(discover(), accelerator)
-    kinds = [c.split(":", 1)[1] for c in entry.capabilities.communicators if c.startswith("torch_distributed:")]
-    return kinds[0] if kinds else "gloo"
-
-
-def _serve(engine, inbox, outbox, rank: int, control, expert_parallel: bool, balancer, torch, dist) -> None:
-    from deepinfer_core.parallel.lockstep import MoELockstep
-
-    lockstep = MoELockstep(engine.model) if expert_parallel else None
-    engine.runner.lockstep = lockstep
-    stopping = False
-    while True:
-        stopping |= _drain(engine, inbox, outbox, rank, balancer)
-        flags = torch.tensor([int(engine.has_unfinished()), int(stopping)])
-        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=control)
-        if flags[1]:
-            return
-        if not flags[0]:  # no rank has work: wait a little for requests, then agree again
-            time.sleep(IDLE_POLL_S)
-            continue
-        forwards = lockstep.forwards if lockstep else 0
-        outputs = engine.step()
-        if lockstep is not None and lockstep.forwards == forwards:
-            lockstep.idle_forward()
-        if balancer is not None:
-            balancer.after_step()
-        if outputs:
-            outbox.put(("outputs", rank, outputs))
-
-
-def _drain(engine, inbox, outbox, rank: int, balancer) -> bool:
-    """Take every message waiting; True when asked to stop."""
-    while True:
-        try:
-            message = inbox.get_nowait()
-        except queue.Empty:
-            return False
-        if message[0] == "stop":
-            return True
-        if message[0] == "abort":
-            engine.abort(message[1])
-        elif message[0] == "stats":
-            stats = {"rebalances": 0, "balancedness": []}
-            if balancer is not None:
-                stats = {"rebalances": balancer.rebalances, "balancedness": balancer.balancedness}
-            outbox.put(("stats", rank, stats))
-        elif message[0] == "add":
-            try:
-                engine.add_request(message[1], message[2], message[3])
-            except DeepInferError as err:
-                outbox.put(("rejected", rank, message[1], str(err)))

@@ -68,6 +68,7 @@ class ServerMetrics:
         self.model_name: str | None = None
         self._prefix_seen = (0, 0)  # the engine's cumulative prefix-cache (queries, hits) at the last scrape
         self._spec = None  # vLLM's spec_decode counters, made at the first scrape of a speculating engine
+        self._moe_lb = None  # deepinfer:moe_lb_ratio, made at the first scrape of expert-parallel ranks
         self._spec_seen = (0, 0, 0, 0, [])  # the engine's SpeculativeStats at the last scrape
         if model_name is not None and max_model_len is not None:
             self.bind(model_name, max_model_len)
@@ -208,12 +209,28 @@ class ServerMetrics:
         self._prefix_seen = (blocks.prefix_queries, blocks.prefix_hits)
         if (stats := getattr(engine, "spec_stats", None)) is not None:
             self._observe_speculation(stats)
+        if (moe_lb := getattr(engine, "moe_lb_ratios", None)) is not None and (ratios := moe_lb()) is not None:
+            self._observe_moe_lb(ratios)
         if (structured := getattr(engine, "structured_stats", None)) is not None:
             compiled, masks = structured.drain()
             for seconds in compiled:
                 self.grammar_compile.observe(seconds)
             for seconds in masks:
                 self.grammar_mask.observe(seconds)
+
+    def _observe_moe_lb(self, ratios: list[float]) -> None:
+        """deepinfer:moe_lb_ratio per MoE layer (its index among them) and over all ("all": their mean)."""
+        if self._moe_lb is None:
+            self._moe_lb = Gauge(
+                "deepinfer:moe_lb_ratio",
+                "Expert-parallel load balance since the last scrape: the busiest rank's expert rows over the mean "
+                "(1.0 is perfect balance), per MoE layer and over all (their mean).",
+                [*_LABELS, "layer"],
+                registry=self.registry,
+            )
+        for layer, ratio in enumerate(ratios):
+            self._moe_lb.labels(self.model_name, "0", str(layer)).set(ratio)
+        self._moe_lb.labels(self.model_name, "0", "all").set(sum(ratios) / len(ratios))
 
     def _observe_speculation(self, stats) -> None:
         """vLLM's spec_decode counters from the engine's SpeculativeStats (engine/speculative.py)."""

@@ -50,8 +50,10 @@ class ServerState:
 
     @property
     def kv_capacity_tokens(self) -> int:
+        """The most KV one request can hold: the whole cache, or one rank's where several serve (a request runs
+        on one; parallel/rank_reports.RanksBlocks)."""
         blocks = self.engine.engine.blocks
-        return blocks.num_blocks * blocks.block_size
+        return getattr(blocks, "per_rank_tokens", blocks.num_blocks * blocks.block_size)
 
 
 def droppable_special_ids(
