@@ -5,11 +5,11 @@ its own requests and holds 1/N of the routed experts; the MoE layers dispatch an
 communicator over torch.distributed, so the ranks step in lockstep through them (parallel/lockstep.py).
 
 The front (`DataParallelEngine`, what `LLM(data_parallel_size=N)` and the server hold instead of an `Engine`)
-starts the ranks as processes, sends each request to the rank with the fewest requests, then the least KV (the
-seeds' decode rule), and passes their outputs on. Requests and outputs travel over multiprocessing queues; the
-ranks find each other through torch.distributed's TCP rendezvous on this host. It reads as one engine to the
-server: `scheduler`, `blocks` (parallel/rank_reports.py), `max_model_len`, `eos_token_ids`,
-`structured_compiler()`, `moe_lb_ratios()`.
+starts the ranks as processes, sends each request to a rank by the seeds' rules (parallel/routing.py: the fewest
+requests, then the least KV; long prompts spread by length bucket), and passes their outputs on. Requests and
+outputs travel over multiprocessing queues; the ranks find each other through torch.distributed's TCP
+rendezvous on this host. It reads as one engine to the server: `scheduler`, `blocks` (parallel/rank_reports.py),
+`max_model_len`, `eos_token_ids`, `structured_compiler()`, `moe_lb_ratios()`.
 
 A lost rank (its process killed, or failed) restarts the instance with the healthy ones: every rank process is
 stopped, a world of the survivors (on their own devices) starts, the experts are placed over it afresh, and every
@@ -29,12 +29,13 @@ import random
 import socket
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Any
 
 from deepinfer_core.errors import DeepInferError, RequestError
 from deepinfer_core.parallel.rank_process import rank_main
 from deepinfer_core.parallel.rank_reports import MoELoad, RankReport, RanksBlocks, RanksScheduler
+from deepinfer_core.parallel.routing import RankLoad, choose_rank
 
 __all__ = ["DataParallelEngine"]
 
@@ -42,15 +43,6 @@ log = logging.getLogger(__name__)
 
 START_TIMEOUT_S = 600.0  # a rank loading its weights
 LOSS_SETTLE_S = 0.5  # after a rank fails or ends, how long the others get to notice and report
-
-
-@dataclass
-class _RankLoad:
-    requests: set[str] = field(default_factory=set)
-    tokens: dict[str, int] = field(default_factory=dict)  # per request: prompt + output tokens known
-
-    def key(self) -> tuple[int, int]:
-        return len(self.requests), sum(self.tokens.values())
 
 
 def _free_port() -> int:
@@ -119,7 +111,7 @@ class DataParallelEngine:
         ]
         for process in self._processes:
             process.start()
-        self._loads = [_RankLoad() for _ in range(size)]
+        self._loads = [RankLoad() for _ in range(size)]
         self._reports = [RankReport() for _ in range(size)]
         self.rank_info: list[dict] = [{}] * size
         self._wait_ready()
@@ -180,11 +172,11 @@ class DataParallelEngine:
         self._send(request_id, prompt, params)
 
     def _send(self, request_id: str, prompt, params) -> None:
-        rank = min(range(self.size), key=lambda r: (*self._loads[r].key(), r))
-        self._owner[request_id] = rank
-        self._loads[rank].requests.add(request_id)
         # a text prompt's tokens are known once the rank reports; until then about 4 characters a token
-        self._loads[rank].tokens[request_id] = len(prompt) if not isinstance(prompt, str) else len(prompt) // 4
+        tokens = len(prompt) if not isinstance(prompt, str) else len(prompt) // 4
+        rank = choose_rank(self._loads, tokens)
+        self._owner[request_id] = rank
+        self._loads[rank].add(request_id, tokens)
         self._inboxes[rank].put(("add", request_id, prompt, params))
 
     def abort(self, request_id: str) -> None:
@@ -280,8 +272,7 @@ class DataParallelEngine:
         return output if len(samples) == len(output.outputs) else replace(output, outputs=samples)
 
     def _forget(self, rank: int, request_id: str) -> None:
-        self._loads[rank].requests.discard(request_id)
-        self._loads[rank].tokens.pop(request_id, None)
+        self._loads[rank].forget(request_id)
 
     def _receive(self, timeout_s: float):
         """The next message from the ranks, or None after `timeout_s`. A rank process that ended restarts the
