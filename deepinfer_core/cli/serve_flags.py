@@ -275,8 +275,9 @@ def _parallel_flags(parser: argparse.ArgumentParser) -> None:
         metavar="JSON",
         default=_default("eplb_config"),
         help='EPLB\'s settings, vLLM\'s JSON: {"window_size": 1000, "step_interval": 10000, '
-        '"num_redundant_experts": N} (default: DeepSeek\'s decode settings: a window of 1000 steps, every 10000 '
-        "steps, one redundant expert per rank)",
+        '"num_redundant_experts": N}, and "phase": "decode" or "prefill" for DeepSeek\'s settings of that phase '
+        "in the keys not given (default: decode: a window of 1000 steps, every 10000 steps, one redundant expert "
+        "per rank; prefill: 100 steps, every 1000, four per rank)",
     )
 
 

@@ -28,21 +28,37 @@ __all__ = ["EplbConfig", "ExpertBalancer"]
 log = logging.getLogger(__name__)
 
 
+# DeepSeek's published settings per phase (its EPLB of prefill and decode instances): redundant experts per rank,
+# steps of counts a placement is computed from, steps between placements
+PHASE_DEFAULTS = {
+    "decode": {"redundant_per_rank": 1, "window_size": 1000, "step_interval": 10000},
+    "prefill": {"redundant_per_rank": 4, "window_size": 100, "step_interval": 1000},
+}
+
+
 @dataclass(frozen=True, slots=True)
 class EplbConfig:
     window_size: int = 1000  # steps of counts a placement is computed from
     step_interval: int = 10000  # steps between placements
-    num_redundant_experts: int | None = None  # copies beyond one per expert (None: one per rank, the seeds' decode)
+    num_redundant_experts: int | None = None  # copies beyond one per expert (None: redundant_per_rank per rank)
+    phase: str = "decode"  # whose defaults the unset keys take (PHASE_DEFAULTS)
+    redundant_per_rank: int = 1
 
     @classmethod
     def parse(cls, raw: dict | None) -> EplbConfig:
+        """vLLM's keys (window_size, step_interval, num_redundant_experts) and ours: phase, "decode" (the default)
+        or "prefill", whose DeepSeek settings the keys not given take."""
         raw = dict(raw or {})
-        unknown = sorted(set(raw) - {"window_size", "step_interval", "num_redundant_experts"})
+        unknown = sorted(set(raw) - {"window_size", "step_interval", "num_redundant_experts", "phase"})
         if unknown:
             raise DeepInferError(
-                f"eplb_config has unknown keys {unknown}; it takes window_size, step_interval, num_redundant_experts"
+                f"eplb_config has unknown keys {unknown}; it takes window_size, step_interval, "
+                "num_redundant_experts, phase"
             )
-        config = cls(**raw)
+        phase = raw.pop("phase", "decode")
+        if phase not in PHASE_DEFAULTS:
+            raise DeepInferError(f"eplb_config.phase must be one of {sorted(PHASE_DEFAULTS)}, got {phase!r}")
+        config = cls(**{**PHASE_DEFAULTS[phase], **raw, "phase": phase})
         for name in ("window_size", "step_interval"):
             value = getattr(config, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -51,6 +67,11 @@ class EplbConfig:
         if extra is not None and (isinstance(extra, bool) or not isinstance(extra, int) or extra < 0):
             raise DeepInferError(f"eplb_config.num_redundant_experts must be 0 or more, got {extra!r}")
         return config
+
+    def redundant_experts(self, world_size: int) -> int:
+        """Copies beyond one per expert, before rounding the slots up to a multiple of the ranks."""
+        given = self.num_redundant_experts
+        return self.redundant_per_rank * world_size if given is None else given
 
 
 class ExpertBalancer:
@@ -67,7 +88,7 @@ class ExpertBalancer:
         experts = layers[0].routing.num_experts
         if any(not isinstance(w, torch.Tensor) for layer in layers for w in (layer.w13, layer.w2)):
             raise DeepInferError("EPLB moves expert weights held as plain tensors only; this model's are quantized")
-        extra = world_size if config.num_redundant_experts is None else config.num_redundant_experts
+        extra = config.redundant_experts(world_size)
         self.num_physical = -(-(experts + extra) // world_size) * world_size
         device = layers[0].gate.device
         self._window = torch.zeros((config.window_size, len(layers), experts), dtype=torch.int64, device=device)
