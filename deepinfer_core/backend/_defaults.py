@@ -18,7 +18,12 @@ def deepinfer_backend_sampler(device: DeviceFacts):
 
 @hookimpl(trylast=True)
 def deepinfer_backend_communicator(device: DeviceFacts, world_size: int, rank: int):
-    return InProcessCommunicator() if world_size == 1 else AllToAllCommunicator()
+    # an expert-parallel world is torch.distributed's default group, of any size (one included: a rank process
+    # of --data-parallel-size 1 --enable-expert-parallel runs its MoE traffic through the backend's collectives)
+    distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+    if world_size > 1 or (distributed and torch.distributed.get_world_size() == world_size):
+        return AllToAllCommunicator()
+    return InProcessCommunicator()
 
 
 @hookimpl(trylast=True)

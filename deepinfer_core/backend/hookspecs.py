@@ -125,8 +125,9 @@ class BackendSpec:
     def deepinfer_backend_communicator(self, device: DeviceFacts, world_size: int, rank: int) -> ExpertCommunicator:
         """Return the expert-parallel dispatch/combine transport for this rank.
 
-        Optional; default: InProcessCommunicator for world_size 1, otherwise AllToAllCommunicator
-        over torch.distributed's default process group (which the launcher has initialised).
+        Optional; default: AllToAllCommunicator over torch.distributed's default process group (which the
+        launcher has initialised) when world_size is that group's size, else (world_size 1 with no such group, or
+        a rank of data parallelism without expert parallelism) InProcessCommunicator.
         Called: once at engine build when the model has MoE layers.
         """
 

@@ -100,7 +100,9 @@ class LLM:
     data_parallel_size: engine ranks, one process each (parallel/data_parallel.py): each runs attention for its
         own requests. enable_expert_parallel: the ranks split the routed experts between them and every MoE
         layer dispatches and combines over torch.distributed (else every rank holds all of them). With more
-        than one rank this process loads no model (`model` and `backend` are None) and feeds the ranks.
+        than one rank, or expert parallelism (one rank: an expert-parallel world of one, its MoE traffic through
+        the backend's collectives), this process loads no model (`model` and `backend` are None) and feeds the
+        ranks.
     enable_eplb / eplb_config: re-place the experts (with redundant copies) between the ranks from their recent
         loads while serving (parallel/eplb_runtime.py; vLLM's names: {"window_size", "step_interval",
         "num_redundant_experts"}).
@@ -146,7 +148,7 @@ class LLM:
         if enable_eplb and not (data_parallel_size > 1 and enable_expert_parallel):
             raise DeepInferError("enable_eplb balances experts between ranks: give data_parallel_size > 1 and "
                                  "enable_expert_parallel=True")  # fmt: skip
-        if data_parallel_size != 1:
+        if data_parallel_size != 1 or enable_expert_parallel:
             self._start_ranks(locals())
             return
         requested = parse_dtype(dtype)

@@ -41,6 +41,8 @@ def rank_main(rank: int, size: int, device: int, address: str, options: dict, ex
 
         torch.set_num_threads(max(1, torch.get_num_threads() // size))  # the ranks share this host's cores
         kind = process_group_kind(options.get("accelerator")) if expert_parallel else "gloo"
+        if kind != "gloo" and torch.accelerator.is_available():  # a device's collectives run on the rank's device
+            torch.accelerator.set_device_index(device)
         dist.init_process_group(kind, init_method=address, rank=rank, world_size=size, timeout=CONTROL_TIMEOUT)
         control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT) if kind != "gloo" else None
         llm = LLM(**options, expert_parallel_rank=(rank, size, device) if expert_parallel else (0, 1, device))

@@ -47,7 +47,8 @@ def deepinfer_backend_capabilities():
         deterministic_sampling=True,
         graph_capture=True,  # decode steps (DeepSeek-V4.1's not with host-placed engram tables)
         async_scheduling=True,
-        communicators=("in_process",),
+        # expert parallelism: core's AllToAllCommunicator over NCCL (torch.distributed's all_to_all_single)
+        communicators=("in_process", "torch_distributed:nccl"),
         # DeepSeek's FP8 weights and FP4 experts stay so in memory (1/2 and ~1/4 of bf16's bytes to read), dequantized
         # tile by tile in the GEMMs' registers (kernels.quant)
         weight_formats=("fp8_block", "mxfp4"),
