@@ -35,7 +35,7 @@ def outputs(model, size: int, stats: list | None = None, **options) -> list[tupl
             llm.engine.shutdown()
 
 
-@pytest.mark.parametrize("size", [2, 3])
+@pytest.mark.parametrize("size", [2, 3, 4])
 def test_v3_on_several_ranks_gives_the_one_rank_tokens(tiny_checkpoint, size):
     expected = outputs(tiny_checkpoint, 1)
     assert len({tokens for tokens in expected}) > 1  # the prompts do not all give the same tokens
