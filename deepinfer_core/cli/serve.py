@@ -62,6 +62,9 @@ def build_state(settings: ServeSettings):
         enable_expert_parallel=settings.enable_expert_parallel,
         enable_eplb=settings.enable_eplb,
         eplb_config=None if settings.eplb_config is None else json.loads(settings.eplb_config),
+        data_parallel_size_local=settings.data_parallel_size_local,
+        data_parallel_address=settings.data_parallel_address,
+        data_parallel_rpc_port=settings.data_parallel_rpc_port,
         progress=sys.stderr.isatty(),
     )
     if llm.tokenizer is None:
@@ -111,6 +114,13 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     from deepinfer_core.serve.http_protocol import HttpLimits, guarded_protocol
 
     settings = serve_settings(args)  # before binding and loading: a wrong value fails at once
+    if settings.headless:  # another node's ranks: no API server
+        from deepinfer_core.parallel.nodes import serve_headless
+
+        return serve_headless(
+            settings.data_parallel_address, settings.data_parallel_rpc_port, settings.data_parallel_size,
+            settings.data_parallel_start_rank, settings.data_parallel_size_local,
+        )  # fmt: skip
     fitting = default_connection_limit()  # raises the open-file limit to its maximum first
     with bind(settings.host, settings.port) as sock:  # before loading: a busy port fails now, not after the load
         state = build_state(settings)

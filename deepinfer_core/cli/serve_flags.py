@@ -281,10 +281,52 @@ def _parallel_flags(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _node_flags(parser: argparse.ArgumentParser) -> None:
+    p = parser.add_argument_group("several nodes (vLLM's flags)")
+    p.add_argument(
+        "--data-parallel-size-local",
+        "-dpl",
+        metavar="N",
+        type=int,
+        default=_default("data_parallel_size_local"),
+        help="ranks on this node, the others on nodes running --headless (default: all of them here)",
+    )
+    p.add_argument(
+        "--data-parallel-start-rank",
+        "-dpr",
+        metavar="K",
+        type=int,
+        default=_default("data_parallel_start_rank"),
+        help="with --headless: the first rank this node runs",
+    )
+    p.add_argument(
+        "--data-parallel-address",
+        "-dpa",
+        metavar="HOST",
+        default=_default("data_parallel_address"),
+        help="the head node's address, where the ranks' queues are served and torch.distributed meets",
+    )
+    p.add_argument(
+        "--data-parallel-rpc-port",
+        "-dpp",
+        metavar="PORT",
+        type=int,
+        default=_default("data_parallel_rpc_port"),
+        help="the head's port for the ranks' queues (torch.distributed's rendezvous takes the next one); set "
+        "$DEEPINFER_DATA_PARALLEL_KEY to the same secret on every node",
+    )
+    p.add_argument(
+        "--headless",
+        action="store_true",
+        help="run this node's ranks of a head's world and no API server (the engine's settings come from the head)",
+    )
+
+
 def add_serve_flags(parser: argparse.ArgumentParser) -> None:
     add_model_flags(parser)
     _engine_flags(parser)
     _parallel_flags(parser)
+    _node_flags(parser)
     _server_flags(parser)
     _connection_flags(parser)
     add_common_flags(parser)

@@ -161,6 +161,11 @@ class ServeSettings(BaseSettings):
     enable_expert_parallel: bool = False
     enable_eplb: bool = False
     eplb_config: str | None = None  # vLLM's JSON; parallel/eplb_runtime.EplbConfig parses and checks it
+    data_parallel_size_local: int | None = Field(None, ge=1)  # several nodes (parallel/nodes.py): ranks here
+    data_parallel_start_rank: int = Field(0, ge=0)
+    data_parallel_address: str = "127.0.0.1"
+    data_parallel_rpc_port: int = Field(29550, ge=1, le=65534)
+    headless: bool = False
     # the HTTP server
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
@@ -220,6 +225,18 @@ class ServeSettings(BaseSettings):
         if self.enable_eplb and not (self.data_parallel_size > 1 and self.enable_expert_parallel):
             raise ValueError("--enable-eplb balances experts between ranks: give --data-parallel-size 2 or more and "
                              "--enable-expert-parallel")  # fmt: skip
+        return self
+
+    @model_validator(mode="after")
+    def _nodes(self) -> ServeSettings:
+        local, size, start = self.data_parallel_size_local, self.data_parallel_size, self.data_parallel_start_rank
+        if local is not None and local > size:
+            raise ValueError(f"--data-parallel-size-local {local} is more than --data-parallel-size {size}")
+        if self.headless and (local is None or not 0 < start < size):
+            raise ValueError("--headless runs another node's ranks: give --data-parallel-size-local and "
+                             "--data-parallel-start-rank (1 or more, below --data-parallel-size)")  # fmt: skip
+        if not self.headless and start:
+            raise ValueError("--data-parallel-start-rank is for --headless nodes; the head runs ranks from 0")
         return self
 
     @model_validator(mode="after")

@@ -106,6 +106,9 @@ class LLM:
     enable_eplb / eplb_config: re-place the experts (with redundant copies) between the ranks from their recent
         loads while serving (parallel/eplb_runtime.py; vLLM's names: {"window_size", "step_interval",
         "num_redundant_experts"}).
+    data_parallel_size_local / data_parallel_address / data_parallel_rpc_port: ranks on several nodes (vLLM's
+        names; parallel/nodes.py): this node runs ranks 0 .. data_parallel_size_local - 1 and serves the others'
+        queues at address:rpc_port (default 29550), which `deepinfer serve --headless` on each other node joins.
     expert_parallel_rank: (rank, world size) of an engine rank whose torch.distributed world is up, or (rank,
         world size, device index) where its device is not the rank's (the ranks data_parallel_size starts pass it;
         after a lost rank the survivors keep their devices); None: one rank, every expert here.
@@ -144,11 +147,14 @@ class LLM:
         enable_eplb: bool = False,
         eplb_config: dict | None = None,
         expert_parallel_rank: tuple[int, ...] | None = None,
+        data_parallel_size_local: int | None = None,
+        data_parallel_address: str = "127.0.0.1",
+        data_parallel_rpc_port: int | None = None,
     ) -> None:
         if enable_eplb and not (data_parallel_size > 1 and enable_expert_parallel):
             raise DeepInferError("enable_eplb balances experts between ranks: give data_parallel_size > 1 and "
                                  "enable_expert_parallel=True")  # fmt: skip
-        if data_parallel_size != 1 or enable_expert_parallel:
+        if data_parallel_size != 1 or enable_expert_parallel or data_parallel_size_local is not None:
             self._start_ranks(locals())
             return
         requested = parse_dtype(dtype)
@@ -236,11 +242,15 @@ class LLM:
                 "would have to step with the other ranks'); drop speculative_config or run one rank"
             )
         skip = {"self", "data_parallel_size", "enable_expert_parallel", "expert_parallel_rank", "backend", "progress",
-                "enable_eplb", "eplb_config"}  # fmt: skip
+                "enable_eplb", "eplb_config", "data_parallel_size_local", "data_parallel_address",
+                "data_parallel_rpc_port"}  # fmt: skip
         options = {k: v for k, v in arguments.items() if k not in skip and not k.startswith("__")}
         options.update(progress=False, graph_batch_size=0)  # no device graphs around the ranks' collectives
         eplb = EplbConfig.parse(arguments["eplb_config"]) if arguments["enable_eplb"] else None
-        self.engine = DataParallelEngine(size, options, expert_parallel, eplb)
+        self.engine = DataParallelEngine(
+            size, options, expert_parallel, eplb, arguments["data_parallel_size_local"],
+            arguments["data_parallel_address"], arguments["data_parallel_rpc_port"],
+        )  # fmt: skip
         self.backend = self.model = None
         self.model_name = self.engine.rank_info[0]["model"]
         location = self.engine.rank_info[0]["path"]

@@ -58,11 +58,27 @@ class DataParallelEngine:
     expert_parallel: the ranks split the routed experts (one expert-parallel world); else each holds them all.
     `tokenizer` (set by LLM): the served model's, for structured outputs' grammars (compiled here first)."""
 
-    def __init__(self, size: int, options: dict[str, Any], expert_parallel: bool = True, eplb=None) -> None:
+    def __init__(self, size: int, options: dict[str, Any], expert_parallel: bool = True, eplb=None,
+                 local_size: int | None = None, host: str = "127.0.0.1", port: int | None = None) -> None:  # fmt: skip
+        """local_size < size: ranks local_size.. run on other nodes (parallel/nodes.py), which join the queues
+        served at host:port (and torch.distributed's rendezvous at host:port+1)."""
         if size < 1:
             raise DeepInferError(f"data_parallel_size must be at least 1, got {size}")
+        local_size = size if local_size is None else local_size
+        if not 1 <= local_size <= size:
+            raise DeepInferError(f"data_parallel_size_local must be 1 to {size}, got {local_size}")
         self._options, self._expert_parallel, self._eplb = options, expert_parallel, eplb
-        self._devices = list(range(size))  # rank r runs on the backend's device _devices[r]
+        self._devices = list(range(local_size))  # local rank r runs on the backend's device _devices[r]
+        self._world = size
+        self._hub = None
+        if local_size < size:
+            from deepinfer_core.parallel.nodes import Hub
+
+            port = 29550 if port is None else port  # vLLM's --data-parallel-rpc-port default
+            self._dist_address = f"tcp://{host}:{port + 1}"
+            config = {"size": size, "dist_address": self._dist_address, "options": options,
+                      "expert_parallel": expert_parallel, "eplb": eplb}  # fmt: skip
+            self._hub, self._hub_address = Hub(host, port, size, config), (host, port)
         self._seeds = random.Random(options.get("seed"))
         self._requests: dict[str, tuple] = {}  # in flight: (prompt, params as sent)
         self._delivered: dict[str, dict[int, tuple[int, int]]] = {}  # per sample: (tokens, characters) passed on
@@ -81,29 +97,27 @@ class DataParallelEngine:
 
     @property
     def size(self) -> int:
-        return len(self._devices)
+        """Ranks in the world (on every node)."""
+        return self._world
 
     def _start(self) -> None:
-        """Start a world of one rank per device in `_devices` and wait until every rank is up."""
+        """Start a world of `size` ranks, one per device in `_devices` here (the others on their nodes), and wait
+        until every rank is up."""
         context = multiprocessing.get_context("spawn")
-        self._outbox = context.Queue()
-        self._inboxes = [context.Queue() for _ in self._devices]
-        address = f"tcp://127.0.0.1:{_free_port()}"
         size = self.size
+        if self._hub is None:
+            self._outbox = context.Queue()
+            self._inboxes = [context.Queue() for _ in range(size)]
+            address, links = f"tcp://127.0.0.1:{_free_port()}", [(q, self._outbox) for q in self._inboxes]
+        else:
+            from deepinfer_core.parallel.nodes import HubLink
+
+            self._outbox, self._inboxes = self._hub.outbox, self._hub.inboxes
+            address, links = self._dist_address, [(HubLink(*self._hub_address, r), None) for r in self._devices]
         self._processes = [
             context.Process(
                 target=rank_main,
-                args=(
-                    rank,
-                    size,
-                    device,
-                    address,
-                    self._options,
-                    self._expert_parallel,
-                    self._eplb,
-                    self._inboxes[rank],
-                    self._outbox,
-                ),  # fmt: skip
+                args=(rank, size, device, address, self._options, self._expert_parallel, self._eplb, *links[rank]),
                 name=f"deepinfer-rank-{rank}",
                 daemon=True,
             )
@@ -309,12 +323,16 @@ class DataParallelEngine:
         prompt."""
         started = time.monotonic()
         lost, reason = self._lost_ranks(dict(failed))
+        if self._hub is not None:
+            self.shutdown(wait_s=0.0)
+            raise DeepInferError(f"engine rank(s) {lost} lost ({reason}); ranks on several nodes do not restart "
+                                 "on their own yet: restart every node")  # fmt: skip
         devices = [d for rank, d in enumerate(self._devices) if rank not in lost]
         log.error("engine rank(s) %s lost: %s; restarting on %d rank(s)", lost, reason, len(devices))
         self.shutdown(wait_s=0.0)  # the others may be blocked in a collective with the lost rank
         if not devices:
             raise DeepInferError(f"every engine rank was lost (the last: {reason}); restart the server")
-        self._devices = devices
+        self._devices, self._world = devices, len(devices)
         self._owner.clear()
         self._start()
         for request_id, (prompt, params) in self._requests.items():
@@ -329,9 +347,10 @@ class DataParallelEngine:
 
     def shutdown(self, wait_s: float = 10.0) -> None:
         """Stop every rank (idempotent): asked to stop, then killed after `wait_s`."""
-        for inbox, process in zip(self._inboxes, self._processes):
-            if process.is_alive() and wait_s > 0:
-                inbox.put(("stop",))
+        if wait_s > 0:  # one rank told is enough (the ranks agree on stopping each step), but any may be gone
+            for rank, inbox in enumerate(getattr(self, "_inboxes", [])):
+                if rank >= len(self._processes) or self._processes[rank].is_alive():
+                    inbox.put(("stop",))
         for process in self._processes:
             process.join(timeout=wait_s)
             if process.is_alive():

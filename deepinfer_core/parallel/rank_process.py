@@ -31,9 +31,15 @@ CONTROL_TIMEOUT = timedelta(seconds=600)
 def rank_main(rank: int, size: int, device: int, address: str, options: dict, expert_parallel: bool, eplb,
               inbox, outbox) -> None:  # fmt: skip
     """A rank process on the backend's device `device`: join the world, build the engine, then serve requests
-    in lockstep with the others."""
+    in lockstep with the others. inbox: a parallel/nodes.HubLink where the front's queues are served over TCP
+    (outbox None then)."""
     import torch
     import torch.distributed as dist
+
+    from deepinfer_core.parallel.nodes import HubLink
+
+    if isinstance(inbox, HubLink):
+        inbox, outbox = inbox.queues()
 
     try:
         from deepinfer_core.engine.llm import LLM

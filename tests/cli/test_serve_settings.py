@@ -356,3 +356,17 @@ def test_the_window_snapshot_budget_reaches_the_model(monkeypatch):
 
 def test_a_negative_window_snapshot_budget_is_refused(refusal):
     assert "--window-snapshot-gb must be at least 0, got -1" in refusal("--window-snapshot-gb", "-1")
+
+
+def test_several_ranks_and_nodes_settings_are_checked(refusal, settings_of):
+    assert "--data-parallel-size must be at least 1, got 0" in refusal("--data-parallel-size", "0")
+    assert "--enable-eplb balances experts between ranks" in refusal("--enable-eplb")
+    assert "eplb_config has unknown keys ['window']" in refusal(
+        "-dp", "2", "--enable-expert-parallel", "--enable-eplb", "--eplb-config", '{"window": 3}'
+    )
+    assert "--data-parallel-size-local 3 is more than --data-parallel-size 2" in refusal("-dp", "2", "-dpl", "3")
+    assert "--headless runs another node's ranks" in refusal("--headless", "-dp", "2", "-dpl", "1")
+    assert "--data-parallel-start-rank is for --headless nodes" in refusal("-dp", "2", "-dpr", "1")
+    chosen = settings_of("-dp", "4", "-dpl", "2", "-dpa", "10.0.0.1", "-dpp", "13345")  # a head node's
+    assert (chosen.data_parallel_size, chosen.data_parallel_size_local, chosen.data_parallel_address,
+            chosen.data_parallel_rpc_port, chosen.headless) == (4, 2, "10.0.0.1", 13345, False)  # fmt: skip
