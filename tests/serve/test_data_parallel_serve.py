@@ -1,7 +1,8 @@
 """`deepinfer serve --data-parallel-size 2 --enable-expert-parallel`: one API server, two engine rank processes
 splitting the demo model's routed experts (rowwise_cpu over gloo). Official clients against the live server:
 greedy outputs equal the one-rank engine's, a concurrent load completes, structured outputs hold, /metrics
-shows the moe_lb ratio, a rank killed with SIGKILL mid-load loses no request, and SIGTERM stops everything."""
+shows the moe_lb ratio, a rank killed with SIGKILL mid-load loses no request, and SIGTERM lets the requests in
+flight finish, then stops every rank."""
 
 from __future__ import annotations
 
@@ -102,7 +103,7 @@ def test_structured_outputs_hold_across_ranks(ranks_server):
         assert reply.choices[0].message.content.startswith("{")
 
 
-def test_a_rank_killed_mid_load_loses_no_request_and_sigterm_stops_every_rank(start_server):
+def test_a_rank_killed_mid_load_loses_no_request_and_sigterm_drains_then_stops_every_rank(start_server):
     server = start_server(*RANKS, "--num-kv-blocks", "64", "--max-num-seqs", "4")
     started = time.monotonic()
     expected = [r.choices[0].text for r in asyncio.run(complete_all(server, 24, 8))]
@@ -123,7 +124,16 @@ def test_a_rank_killed_mid_load_loses_no_request_and_sigterm_stops_every_rank(st
     assert "engine restarted with 1 rank(s)" in log and "re-queued" in log, log[-3000:]
     survivors = rank_pids(server)
     assert len(survivors) == 1 and survivors[0] not in pids, (pids, survivors)
-    server.stop()
+
+    async def drained_by_sigterm():  # requests in flight when SIGTERM comes finish (the grace period)
+        task = asyncio.ensure_future(complete_all(server, 24, 4))
+        await asyncio.sleep(undisturbed / 4)
+        server.begin_stop()
+        return await task
+
+    drained = asyncio.run(drained_by_sigterm())
+    assert [r.choices[0].finish_reason for r in drained] == ["length"] * 4
+    server.wait_stopped()
     assert server.process.returncode == 0, server.log()[-3000:]
     time.sleep(0.5)
     assert not any(Path(f"/proc/{pid}").exists() for pid in survivors), "a rank outlived the server"
