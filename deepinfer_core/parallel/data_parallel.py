@@ -87,6 +87,7 @@ class DataParallelEngine:
         self._pending: list = []  # outputs that arrived while waiting for something else
         self._moe_load = MoELoad()
         self.restarts: list[dict] = []  # one entry per restart after a lost rank
+        self._failed: str | None = None  # why the instance cannot go on (`_fatal`), once it cannot
         self.tokenizer = None
         self._grammars = None
         self._processes: list = []
@@ -178,6 +179,8 @@ class DataParallelEngine:
     # ---- requests -------------------------------------------------------------------------------
 
     def add_request(self, request_id: str, prompt: str | Sequence[int], params) -> None:
+        if self._failed is not None:
+            raise DeepInferError(self._failed)
         if request_id in self._owner:
             raise RequestError(f"request id {request_id!r} is already in use")
         if params.seed is None:  # a recomputed request (after a lost rank) must draw the same tokens again
@@ -202,10 +205,12 @@ class DataParallelEngine:
             self._inboxes[rank].put(("abort", request_id))
 
     def has_unfinished(self) -> bool:
-        return bool(self._owner) or bool(self._rejected)
+        return bool(self._requests) or bool(self._rejected)
 
     def step(self, timeout_s: float = 0.05) -> list:
         """The outputs the ranks reported since the last call (waiting up to `timeout_s` for the first)."""
+        if self._failed is not None:
+            raise DeepInferError(self._failed)
         outputs, self._pending = self._pending, []
         deadline = time.monotonic() + timeout_s
         message = self._receive(0.0 if outputs else timeout_s)
@@ -324,17 +329,19 @@ class DataParallelEngine:
         started = time.monotonic()
         lost, reason = self._lost_ranks(dict(failed))
         if self._hub is not None:
-            self.shutdown(wait_s=0.0)
-            raise DeepInferError(f"engine rank(s) {lost} lost ({reason}); ranks on several nodes do not restart "
-                                 "on their own yet: restart every node")  # fmt: skip
+            self._fatal(f"engine rank(s) {lost} lost ({reason}); ranks on several nodes do not restart on their "
+                        "own yet: restart every node")  # fmt: skip
         devices = [d for rank, d in enumerate(self._devices) if rank not in lost]
         log.error("engine rank(s) %s lost: %s; restarting on %d rank(s)", lost, reason, len(devices))
         self.shutdown(wait_s=0.0)  # the others may be blocked in a collective with the lost rank
         if not devices:
-            raise DeepInferError(f"every engine rank was lost (the last: {reason}); restart the server")
+            self._fatal(f"every engine rank was lost (the last: {reason}); restart the server")
         self._devices, self._world = devices, len(devices)
         self._owner.clear()
-        self._start()
+        try:
+            self._start()
+        except DeepInferError as err:
+            self._fatal(f"the engine could not restart after losing rank(s) {lost}: {err}")
         for request_id, (prompt, params) in self._requests.items():
             self._send(request_id, prompt, params)
         seconds = time.monotonic() - started
@@ -344,6 +351,15 @@ class DataParallelEngine:
             "engine restarted with %d rank(s) in %.2f s; %d request(s) re-queued (recomputed from their prompts)",
             self.size, seconds, len(self._requests),
         )  # fmt: skip
+
+    def _fatal(self, reason: str) -> None:
+        """No rank is left to serve: every call from now on raises DeepInferError(reason), and `scheduler` lists
+        every request in flight as running (the server fails them)."""
+        self.shutdown(wait_s=0.0)
+        self._failed = reason
+        self._reports = [RankReport(running=tuple(self._requests))]
+        self.scheduler = RanksScheduler(self.rank_info[:1], self._reports)
+        raise DeepInferError(reason)
 
     def shutdown(self, wait_s: float = 10.0) -> None:
         """Stop every rank (idempotent): asked to stop, then killed after `wait_s`."""

@@ -118,3 +118,26 @@ def test_a_killed_rank_restarts_the_instance_and_every_request_completes_with_th
         assert [tuple(streamed[str(i)]) for i in range(len(PROMPTS))] == expected
     finally:
         engine.shutdown()
+
+
+def test_losing_every_rank_fails_every_request_with_a_clear_error(tiny_checkpoint):
+    import os
+    import signal
+
+    llm = LLM(tiny_checkpoint, accelerator="rowwise_cpu", num_kv_blocks=64, progress=False, data_parallel_size=2,
+              enable_expert_parallel=True)  # fmt: skip
+    engine = llm.engine
+    try:
+        engine.add_request("a", [5, 6, 7], SamplingParams(max_tokens=50, ignore_eos=True))
+        for process in engine._processes:
+            os.kill(process.pid, signal.SIGKILL)
+        with pytest.raises(DeepInferError, match="every engine rank was lost"):
+            while engine.has_unfinished():
+                engine.step()
+        assert [r.request_id for r in engine.scheduler.running] == ["a"]  # what a server then fails
+        with pytest.raises(DeepInferError, match="every engine rank was lost"):
+            engine.add_request("b", [5], SamplingParams(max_tokens=1))
+        engine.abort("a")
+        assert not engine.has_unfinished()
+    finally:
+        engine.shutdown()
