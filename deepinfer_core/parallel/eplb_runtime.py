@@ -4,8 +4,8 @@ experts (parallel/eplb.py) from the last `window_size` steps' counts and move th
 Every rank runs this after every step of the lockstep (parallel/data_parallel.py), so all of them rebalance at
 the same step: the counts are summed over the ranks (one all-reduce), every rank computes the same placement,
 and one all-to-all per layer and weight carries each new slot's expert from the lowest rank that holds it now.
-The engine stops for no longer than that. Expert weights held quantized (BlockFP8 / MXFP4) are not moved yet:
-such models refuse EPLB at start.
+The engine stops for no longer than that. Expert weights held quantized (BlockFP8 / MXFP4) move as their values
+and scales.
 
 vLLM's names for the settings (`--enable-eplb`, `--eplb-config` window_size / step_interval /
 num_redundant_experts).
@@ -15,15 +15,16 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
+import torch.distributed
 
 from deepinfer_core.errors import DeepInferError
 from deepinfer_core.parallel.eplb import balance_ratio, rebalance
 from deepinfer_core.parallel.expert_slots import ExpertSlots
 
-__all__ = ["EplbConfig", "ExpertBalancer"]
+__all__ = ["EplbConfig", "ExpertBalancer", "moved_weight"]
 
 log = logging.getLogger(__name__)
 
@@ -86,8 +87,6 @@ class ExpertBalancer:
         self.control, self.group = control, None
         self._dist = dist
         experts = layers[0].routing.num_experts
-        if any(not isinstance(w, torch.Tensor) for layer in layers for w in (layer.w13, layer.w2)):
-            raise DeepInferError("EPLB moves expert weights held as plain tensors only; this model's are quantized")
         extra = config.redundant_experts(world_size)
         self.num_physical = -(-(experts + extra) // world_size) * world_size
         device = layers[0].gate.device
@@ -115,8 +114,8 @@ class ExpertBalancer:
         placement = rebalance(counts, self.num_physical, 1, 1, self.world_size)
         for index, layer in enumerate(self.layers):
             slots = ExpertSlots.from_placement(placement, index, layer.gate.device)
-            layer.w13 = self._moved(layer.slots, slots, layer.w13)
-            layer.w2 = self._moved(layer.slots, slots, layer.w2)
+            layer.w13 = moved_weight(layer.slots, slots, layer.w13, self.rank, self.world_size, self.group)
+            layer.w2 = moved_weight(layer.slots, slots, layer.w2, self.rank, self.world_size, self.group)
             layer.slots = slots
         loads = placement.rank_loads(counts, self.world_size)
         self.balancedness.append(float(balance_ratio(loads).mean()))
@@ -126,33 +125,44 @@ class ExpertBalancer:
             self.steps, time.perf_counter() - started, self.balancedness[-1],
         )  # fmt: skip
 
-    def _moved(self, old: ExpertSlots, new: ExpertSlots, local: torch.Tensor) -> torch.Tensor:
-        """This rank's stack [S_new, ...] of the new slots' expert weights, fetched from the ranks holding them
-        (each expert from the lowest rank whose old slots hold it; its first such slot)."""
-        world, rank = self.world_size, self.rank
-        old_per, new_per = old.num_physical // world, new.num_physical // world
-        source = {}  # expert -> (rank, local index) it is taken from
-        for slot, expert in enumerate(old.physical_to_logical):
-            source.setdefault(expert, (slot // old_per, slot % old_per))
-        new_experts = new.physical_to_logical
-        sends = [[source[e][1] for e in new_experts[d * new_per : (d + 1) * new_per] if source[e][0] == rank]
-                 for d in range(world)]  # fmt: skip
-        mine = new_experts[rank * new_per : (rank + 1) * new_per]
-        receives = [sum(1 for e in mine if source[e][0] == s) for s in range(world)]
-        shape = local.shape[1:]
-        send = torch.cat([local[torch.tensor(rows, dtype=torch.long)] for rows in sends]) if any(sends) else local[:0]
-        received = local.new_empty((sum(receives), *shape))
-        per_expert = local[0].numel()
-        self._dist.all_to_all_single(
-            received.view(-1), send.contiguous().view(-1),
-            [n * per_expert for n in receives], [len(rows) * per_expert for rows in sends], group=self.group,
-        )  # fmt: skip
-        # received: from rank 0 its slots for me in my slot order, then rank 1's, ...
-        starts = [sum(receives[:s]) for s in range(world)]
-        taken = [0] * world
-        order = []
-        for expert in mine:
-            s = source[expert][0]
-            order.append(starts[s] + taken[s])
-            taken[s] += 1
-        return received[torch.tensor(order, dtype=torch.long)].contiguous()
+
+def moved_weight(old: ExpertSlots, new: ExpertSlots, local, rank: int, world: int, group=None):
+    """This rank's stack of the `new` slots' expert weights, fetched from the ranks whose `old` slots hold them:
+    a plain tensor, or a quantized one (BlockFP8 / MXFP4: its values and scales moved alike)."""
+    if isinstance(local, torch.Tensor):
+        return _moved(old, new, local, rank, world, group)
+    return replace(local, weight=_moved(old, new, local.weight, rank, world, group),
+                   scale=_moved(old, new, local.scale, rank, world, group))  # fmt: skip
+
+
+def _moved(old: ExpertSlots, new: ExpertSlots, local: torch.Tensor, rank: int, world: int, group) -> torch.Tensor:
+    """[S_new, ...] of the new slots' experts (each from the lowest rank whose old slots hold it; its first such
+    slot), by one all_to_all_single. One-byte floats (FP8 values, E8M0 scales) travel as bytes."""
+    if local.element_size() == 1 and local.dtype != torch.uint8:
+        return _moved(old, new, local.view(torch.uint8), rank, world, group).view(local.dtype)
+    old_per, new_per = old.num_physical // world, new.num_physical // world
+    source = {}  # expert -> (rank, local index) it is taken from
+    for slot, expert in enumerate(old.physical_to_logical):
+        source.setdefault(expert, (slot // old_per, slot % old_per))
+    new_experts = new.physical_to_logical
+    sends = [[source[e][1] for e in new_experts[d * new_per : (d + 1) * new_per] if source[e][0] == rank]
+             for d in range(world)]  # fmt: skip
+    mine = new_experts[rank * new_per : (rank + 1) * new_per]
+    receives = [sum(1 for e in mine if source[e][0] == s) for s in range(world)]
+    shape = local.shape[1:]
+    send = torch.cat([local[torch.tensor(rows, dtype=torch.long)] for rows in sends]) if any(sends) else local[:0]
+    received = local.new_empty((sum(receives), *shape))
+    per_expert = local[0].numel()
+    torch.distributed.all_to_all_single(
+        received.view(-1), send.contiguous().view(-1),
+        [n * per_expert for n in receives], [len(rows) * per_expert for rows in sends], group=group,
+    )  # fmt: skip
+    # received: from rank 0 its slots for me in my slot order, then rank 1's, ...
+    starts = [sum(receives[:s]) for s in range(world)]
+    taken = [0] * world
+    order = []
+    for expert in mine:
+        s = source[expert][0]
+        order.append(starts[s] + taken[s])
+        taken[s] += 1
+    return received[torch.tensor(order, dtype=torch.long)].contiguous()
