@@ -49,6 +49,11 @@ class ExpertCommunicator(Protocol):
         """expert_out [N, D] (rows of `dispatched`) and topk_weights [T, K] -> [T, D] weighted sums."""
         ...
 
+    def exchange(self, rows: torch.Tensor, send_counts: list[int], recv_counts: list[int]) -> torch.Tensor:
+        """All-to-all of whole rows: rows [sum(send_counts), ...] go to the ranks in rank order (send_counts[r] to
+        rank r); returns [sum(recv_counts), ...], rank 0's first. EPLB moves expert weights with it."""
+        ...
+
 
 def _weighted_sum(pair_rows: torch.Tensor, topk_weights: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
     """pair_rows [T*K, D] in (token, k) order -> sum_k w[t, k] * row[t, k] in float32 -> [T, D]."""
@@ -79,6 +84,9 @@ class InProcessCommunicator:
         pair_rows[dispatched.handle] = expert_out  # back to (token, k) order
         return _weighted_sum(pair_rows, topk_weights, expert_out.dtype)
 
+    def exchange(self, rows: torch.Tensor, send_counts: list[int], recv_counts: list[int]) -> torch.Tensor:
+        return rows.clone()  # one rank: what it sends is what it receives
+
 
 @dataclass(frozen=True, slots=True)
 class _AllToAllHandle:
@@ -101,7 +109,7 @@ class AllToAllCommunicator:
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
 
-    def _exchange(self, tensor: torch.Tensor, send_counts: list[int], recv_counts: list[int]) -> torch.Tensor:
+    def exchange(self, tensor: torch.Tensor, send_counts: list[int], recv_counts: list[int]) -> torch.Tensor:
         out = tensor.new_empty((sum(recv_counts), *tensor.shape[1:]))
         self._dist.all_to_all_single(out, tensor.contiguous(), recv_counts, send_counts, group=self._group)
         return out
@@ -119,21 +127,21 @@ class AllToAllCommunicator:
         counts = torch.empty_like(send_counts)
         self._dist.all_to_all_single(counts, send_counts, group=self._group)
         send_list, recv_list = send_counts.tolist(), counts.tolist()
-        rows = self._exchange(hidden[send_order // topk_ids.shape[1]], send_list, recv_list)
-        local_ids = self._exchange(send_ids, send_list, recv_list) - self.rank * local_experts
+        rows = self.exchange(hidden[send_order // topk_ids.shape[1]], send_list, recv_list)
+        local_ids = self.exchange(send_ids, send_list, recv_list) - self.rank * local_experts
         recv_order = torch.argsort(local_ids, stable=True)
         tokens_per_expert = torch.bincount(local_ids, minlength=local_experts)
         handle = _AllToAllHandle(send_order, send_list, recv_list, recv_order)
         weights = None
         if topk_weights is not None:  # travel with their rows
-            weights = self._exchange(topk_weights.reshape(-1).float()[send_order], send_list, recv_list)[recv_order]
+            weights = self.exchange(topk_weights.reshape(-1).float()[send_order], send_list, recv_list)[recv_order]
         return Dispatched(rows[recv_order], tokens_per_expert, handle, weights)
 
     def combine(self, expert_out: torch.Tensor, dispatched: Dispatched, topk_weights: torch.Tensor) -> torch.Tensor:
         handle: _AllToAllHandle = dispatched.handle
         received_order = torch.empty_like(expert_out)
         received_order[handle.recv_order] = expert_out
-        returned = self._exchange(received_order, handle.recv_counts, handle.send_counts)  # [T*K, D]
+        returned = self.exchange(received_order, handle.recv_counts, handle.send_counts)  # [T*K, D]
         pair_rows = torch.empty_like(returned)
         pair_rows[handle.send_order] = returned
         return _weighted_sum(pair_rows, topk_weights, expert_out.dtype)

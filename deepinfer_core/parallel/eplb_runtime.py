@@ -3,7 +3,8 @@ experts (parallel/eplb.py) from the last `window_size` steps' counts and move th
 
 Every rank runs this after every step of the lockstep (parallel/data_parallel.py), so all of them rebalance at
 the same step: the counts are summed over the ranks (one all-reduce), every rank computes the same placement,
-and one all-to-all per layer and weight carries each new slot's expert from the lowest rank that holds it now.
+and one all-to-all per layer and weight (the backend communicator's `exchange`) carries each new slot's expert
+from the lowest rank that holds it now.
 The engine stops for no longer than that. Expert weights held quantized (BlockFP8 / MXFP4) move as their values
 and scales.
 
@@ -18,7 +19,6 @@ import time
 from dataclasses import dataclass, replace
 
 import torch
-import torch.distributed
 
 from deepinfer_core.errors import DeepInferError
 from deepinfer_core.parallel.eplb import balance_ratio, rebalance
@@ -80,11 +80,11 @@ class ExpertBalancer:
 
     def __init__(self, layers: list, config: EplbConfig, rank: int, world_size: int, control=None) -> None:
         """control: the ranks' gloo group for the counts (None: the default group, gloo too); the weights move
-        over the default group (the backend's process-group kind)."""
+        through each layer's communicator (the backend's: its `exchange`)."""
         import torch.distributed as dist
 
         self.layers, self.config, self.rank, self.world_size = layers, config, rank, world_size
-        self.control, self.group = control, None
+        self.control = control
         self._dist = dist
         experts = layers[0].routing.num_experts
         extra = config.redundant_experts(world_size)
@@ -114,8 +114,8 @@ class ExpertBalancer:
         placement = rebalance(counts, self.num_physical, 1, 1, self.world_size)
         for index, layer in enumerate(self.layers):
             slots = ExpertSlots.from_placement(placement, index, layer.gate.device)
-            layer.w13 = moved_weight(layer.slots, slots, layer.w13, self.rank, self.world_size, self.group)
-            layer.w2 = moved_weight(layer.slots, slots, layer.w2, self.rank, self.world_size, self.group)
+            layer.w13 = moved_weight(layer.slots, slots, layer.w13, layer.comm)
+            layer.w2 = moved_weight(layer.slots, slots, layer.w2, layer.comm)
             layer.slots = slots
         loads = placement.rank_loads(counts, self.world_size)
         self.balancedness.append(float(balance_ratio(loads).mean()))
@@ -126,20 +126,21 @@ class ExpertBalancer:
         )  # fmt: skip
 
 
-def moved_weight(old: ExpertSlots, new: ExpertSlots, local, rank: int, world: int, group=None):
-    """This rank's stack of the `new` slots' expert weights, fetched from the ranks whose `old` slots hold them:
-    a plain tensor, or a quantized one (BlockFP8 / MXFP4: its values and scales moved alike)."""
+def moved_weight(old: ExpertSlots, new: ExpertSlots, local, comm):
+    """This rank's stack of the `new` slots' expert weights, fetched through the layer's communicator (`exchange`)
+    from the ranks whose `old` slots hold them: a plain tensor, or a quantized one (BlockFP8 / MXFP4: its values
+    and scales moved alike)."""
     if isinstance(local, torch.Tensor):
-        return _moved(old, new, local, rank, world, group)
-    return replace(local, weight=_moved(old, new, local.weight, rank, world, group),
-                   scale=_moved(old, new, local.scale, rank, world, group))  # fmt: skip
+        return _moved(old, new, local, comm)
+    return replace(local, weight=_moved(old, new, local.weight, comm), scale=_moved(old, new, local.scale, comm))
 
 
-def _moved(old: ExpertSlots, new: ExpertSlots, local: torch.Tensor, rank: int, world: int, group) -> torch.Tensor:
+def _moved(old: ExpertSlots, new: ExpertSlots, local: torch.Tensor, comm) -> torch.Tensor:
     """[S_new, ...] of the new slots' experts (each from the lowest rank whose old slots hold it; its first such
-    slot), by one all_to_all_single. One-byte floats (FP8 values, E8M0 scales) travel as bytes."""
+    slot), by one exchange of rows. One-byte floats (FP8 values, E8M0 scales) travel as bytes."""
     if local.element_size() == 1 and local.dtype != torch.uint8:
-        return _moved(old, new, local.view(torch.uint8), rank, world, group).view(local.dtype)
+        return _moved(old, new, local.view(torch.uint8), comm).view(local.dtype)
+    rank, world = comm.rank, comm.world_size
     old_per, new_per = old.num_physical // world, new.num_physical // world
     source = {}  # expert -> (rank, local index) it is taken from
     for slot, expert in enumerate(old.physical_to_logical):
@@ -149,14 +150,8 @@ def _moved(old: ExpertSlots, new: ExpertSlots, local: torch.Tensor, rank: int, w
              for d in range(world)]  # fmt: skip
     mine = new_experts[rank * new_per : (rank + 1) * new_per]
     receives = [sum(1 for e in mine if source[e][0] == s) for s in range(world)]
-    shape = local.shape[1:]
     send = torch.cat([local[torch.tensor(rows, dtype=torch.long)] for rows in sends]) if any(sends) else local[:0]
-    received = local.new_empty((sum(receives), *shape))
-    per_expert = local[0].numel()
-    torch.distributed.all_to_all_single(
-        received.view(-1), send.contiguous().view(-1),
-        [n * per_expert for n in receives], [len(rows) * per_expert for rows in sends], group=group,
-    )  # fmt: skip
+    received = comm.exchange(send, [len(rows) for rows in sends], receives)
     # received: from rank 0 its slots for me in my slot order, then rank 1's, ...
     starts = [sum(receives[:s]) for s in range(world)]
     taken = [0] * world

@@ -1,4 +1,5 @@
-"""EPLB's weight moves (deepinfer_core/parallel/eplb_runtime.moved_weight) in a real gloo world of 2 processes:
+"""EPLB's weight moves (deepinfer_core/parallel/eplb_runtime.moved_weight, through the communicator's `exchange`)
+in a real gloo world of 2 processes:
 plain, BlockFP8 (FP8 values, float32 and E8M0 scales) and MXFP4 (packed FP4 codes, E8M0 scales) stacks of
 expert weights end up on each rank as the new placement's slots of the full stack, byte for byte.
 
@@ -14,6 +15,7 @@ SCRIPT = textwrap.dedent("""
     import os, socket, sys, torch, torch.distributed as dist, torch.multiprocessing as mp
     from deepinfer_core.backend.weight_formats import BlockFP8, MXFP4
     from deepinfer_core.parallel.eplb import rebalance
+    from deepinfer_core.parallel.communicator import AllToAllCommunicator
     from deepinfer_core.parallel.eplb_runtime import moved_weight
     from deepinfer_core.parallel.expert_slots import ExpertSlots
 
@@ -50,7 +52,7 @@ SCRIPT = textwrap.dedent("""
         assert new.physical_to_logical != old.physical_to_logical
         for name, full in full_stacks().items():
             local = rows(full, old.held_by(rank, WORLD))
-            got = moved_weight(old, new, local, rank, WORLD)
+            got = moved_weight(old, new, local, AllToAllCommunicator())
             want = rows(full, new.held_by(rank, WORLD))
             assert same(got, want), (name, rank, new.physical_to_logical)
         dist.destroy_process_group()

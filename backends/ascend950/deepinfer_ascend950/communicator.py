@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from types import ModuleType
 
 import torch
+import torch.distributed
 
 from deepinfer_core.parallel.communicator import Dispatched
 
@@ -50,6 +51,13 @@ class McDistributeCommunicator:
     def __init__(self, npu: ModuleType, group_name: str, world_size: int, rank: int) -> None:
         self.npu, self.group_name = npu, group_name
         self.world_size, self.rank = world_size, rank
+
+    def exchange(self, rows: torch.Tensor, send_counts: list[int], recv_counts: list[int]) -> torch.Tensor:
+        """EPLB's weight moves: torch.distributed's all_to_all_single over the default group (HCCL under
+        torch_npu), rows split by rank."""
+        out = rows.new_empty((sum(recv_counts), *rows.shape[1:]))
+        torch.distributed.all_to_all_single(out, rows.contiguous(), recv_counts, send_counts)
+        return out
 
     def dispatch(
         self, hidden: torch.Tensor, topk_ids: torch.Tensor, num_experts: int, topk_weights: torch.Tensor | None = None
