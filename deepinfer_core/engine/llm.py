@@ -20,7 +20,7 @@ from deepinfer_core.engine.hub import TOKENIZER_FILES, resolve_location
 from deepinfer_core.engine.limits import at_least_one, context_length, gib_bytes
 from deepinfer_core.engine.memory import check_utilization, kv_budget_from_utilization, model_bytes
 from deepinfer_core.engine.prompts import ChatRenderer, PromptType, normalize_conversations, normalize_prompts
-from deepinfer_core.engine.request import RequestOutput
+from deepinfer_core.engine.request import FailedRequest, RequestOutput
 from deepinfer_core.engine.scheduler import SchedulerConfig
 from deepinfer_core.engine.speculative import SpeculativeConfig
 from deepinfer_core.engine.tokenizer import Tokenizer, demo_tokenizer_dir
@@ -328,6 +328,8 @@ class LLM:
                 for output in self.engine.step():
                     if not output.finished or output.request_id not in wanted:
                         continue
+                    if isinstance(output, FailedRequest):
+                        raise output.error
                     finished[output.request_id] = output
                     if bar is not None:
                         prompt_tokens += len(output.prompt_token_ids)
@@ -404,6 +406,8 @@ class LLM:
             while not done and self.engine.has_unfinished():
                 for output in self.engine.step():
                     if output.request_id == request_id:
+                        if isinstance(output, FailedRequest):
+                            raise output.error
                         done = output.finished
                         yield output
         finally:

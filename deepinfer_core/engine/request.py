@@ -11,7 +11,7 @@ from deepinfer_core.sampling.params import SamplingParams
 if TYPE_CHECKING:
     from deepinfer_core.structured.grammars import GrammarState
 
-__all__ = ["CompletionOutput", "Logprob", "Request", "RequestGroup", "RequestOutput", "RequestStatus"]
+__all__ = ["CompletionOutput", "FailedRequest", "Logprob", "Request", "RequestGroup", "RequestOutput", "RequestStatus"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -160,6 +160,17 @@ class RequestOutput:
     @property
     def new_token_ids(self) -> tuple[int, ...]:
         return self.outputs[0].new_token_ids
+
+
+@dataclass(frozen=True, slots=True)
+class FailedRequest:
+    """A report in a step's outputs that a request ended without output: `error` says why (a RequestError for
+    bad input, a DeepInferError otherwise). The multi-rank front (parallel/data_parallel.py) reports a request a
+    rank refused, or that could not be recomputed, this way; the callers raise `error` for that request alone."""
+
+    request_id: str
+    error: Exception
+    finished: bool = True
 
 
 Delta = tuple[str, tuple[int, ...]]  # (new text, new token ids) of one sample in one step

@@ -32,6 +32,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
+from deepinfer_core.engine.request import FailedRequest
 from deepinfer_core.errors import DeepInferError, RequestError
 from deepinfer_core.parallel.rank_process import rank_main
 from deepinfer_core.parallel.rank_reports import MoELoad, RankReport, RanksBlocks, RanksScheduler
@@ -43,6 +44,7 @@ log = logging.getLogger(__name__)
 
 START_TIMEOUT_S = 600.0  # a rank loading its weights
 LOSS_SETTLE_S = 0.5  # after a rank fails or ends, how long the others get to notice and report
+MAX_RESENDS = 2  # restarts a request may be sent again after, before it fails
 
 
 def _free_port() -> int:
@@ -83,17 +85,17 @@ class DataParallelEngine:
         self._requests: dict[str, tuple] = {}  # in flight: (prompt, params as sent)
         self._delivered: dict[str, dict[int, tuple[int, int]]] = {}  # per sample: (tokens, characters) passed on
         self._owner: dict[str, int] = {}
-        self._rejected: list[tuple[str, str]] = []
-        self._pending: list = []  # outputs that arrived while waiting for something else
+        self._pending: list = []  # outputs that arrived while waiting for something else, and FailedRequests
         self._moe_load = MoELoad()
         self.restarts: list[dict] = []  # one entry per restart after a lost rank
         self._failed: str | None = None  # why the instance cannot go on (`_fatal`), once it cannot
+        self._resends: dict[str, int] = {}  # per request: times it was sent again after a restart
         self.tokenizer = None
         self._grammars = None
         self._processes: list = []
         self._start()
         info = self.rank_info[0]
-        self.max_model_len = info["max_model_len"]
+        self.max_model_len, self._vocab_size = info["max_model_len"], info["vocab_size"]
         self.eos_token_ids = frozenset(info["eos_token_ids"])
 
     @property
@@ -162,8 +164,7 @@ class DataParallelEngine:
         if self._grammars is None:
             if self.tokenizer is None:
                 raise RequestError("structured outputs need the model's tokenizer; this engine was started without one")
-            info = self.rank_info[0]
-            self._grammars = GrammarCompiler(self.tokenizer.to_json(), info["vocab_size"], self.eos_token_ids)
+            self._grammars = GrammarCompiler(self.tokenizer.to_json(), self._vocab_size, self.eos_token_ids)
         return self._grammars
 
     @property
@@ -200,27 +201,36 @@ class DataParallelEngine:
         rank = self._owner.pop(request_id, None)
         self._requests.pop(request_id, None)
         self._delivered.pop(request_id, None)
+        self._resends.pop(request_id, None)
         if rank is not None:
             self._forget(rank, request_id)
             self._inboxes[rank].put(("abort", request_id))
 
     def has_unfinished(self) -> bool:
-        return bool(self._requests) or bool(self._rejected)
+        return bool(self._requests) or bool(self._pending)
 
     def step(self, timeout_s: float = 0.05) -> list:
-        """The outputs the ranks reported since the last call (waiting up to `timeout_s` for the first)."""
-        if self._failed is not None:
-            raise DeepInferError(self._failed)
+        """The outputs the ranks reported since the last call (waiting up to `timeout_s` for the first), and a
+        FailedRequest for each request that ended without output (a rank refused it; it could not be recomputed)."""
         outputs, self._pending = self._pending, []
         deadline = time.monotonic() + timeout_s
         message = self._receive(0.0 if outputs else timeout_s)
         while message is not None:
             outputs.extend(self._handle(message))
             message = self._receive(max(0.0, deadline - time.monotonic()) if not outputs else 0.0)
-        if self._rejected:
-            request_id, reason = self._rejected.pop(0)
-            raise RequestError(f"request {request_id}: {reason}")
+        outputs.extend(self._pending)  # failures a restart reported meanwhile
+        self._pending = []
         return outputs
+
+    def _fail(self, request_id: str, error: Exception) -> None:
+        """End `request_id` without output: a FailedRequest in the next step's outputs."""
+        rank = self._owner.pop(request_id, None)
+        if rank is not None:
+            self._forget(rank, request_id)
+        self._requests.pop(request_id, None)
+        self._delivered.pop(request_id, None)
+        self._resends.pop(request_id, None)
+        self._pending.append(FailedRequest(request_id, error))
 
     def rank_stats(self, timeout_s: float = 60.0) -> list[dict]:
         """Each rank's EPLB statistics (rebalances so far, moe_lb of each placement on its window)."""
@@ -256,16 +266,14 @@ class DataParallelEngine:
                 if output.finished:
                     del self._owner[output.request_id]
                     self._requests.pop(output.request_id, None)
+                    self._resends.pop(output.request_id, None)
                     self._forget(rank, output.request_id)
                 if (output := self._undelivered(output)) is not None:
                     kept.append(output)
             return kept
         if kind == "rejected":
-            request_id = message[2]
-            if self._owner.pop(request_id, None) is not None:
-                self._forget(rank, request_id)
-            self._requests.pop(request_id, None)
-            self._rejected.append((request_id, message[3]))
+            if self._owner.get(message[2]) == rank:
+                self._fail(message[2], RequestError(message[3]))
             return []
         if kind == "failed":
             self._recover({rank: message[2]})
@@ -273,16 +281,23 @@ class DataParallelEngine:
 
     def _undelivered(self, output):
         """`output` less what was passed on before (a request recomputed after a lost rank reports its tokens
-        again from the first); None when nothing of it is new."""
+        again from the first); None when nothing of it is new. A recomputation whose tokens differ from those
+        passed on (the restarted world computes in another order; only batch-invariant backends promise the same
+        tokens) fails the request rather than splice two continuations."""
         delivered = self._delivered.setdefault(output.request_id, {})
         samples = []
         for sample in output.outputs:
-            tokens, chars = delivered.get(sample.index, (0, 0))
-            if len(sample.token_ids) <= tokens and sample.finish_reason is None:
+            tokens, chars = delivered.get(sample.index, ((), 0))
+            if sample.token_ids[: len(tokens)] != tokens[: len(sample.token_ids)]:
+                self._fail(output.request_id, DeepInferError(
+                    "the engine lost a rank while running this request and its recomputation diverged from the "
+                    "tokens already sent; retry the request"))  # fmt: skip
+                return None
+            if len(sample.token_ids) <= len(tokens) and sample.finish_reason is None:
                 continue
-            if len(sample.token_ids) - len(sample.new_token_ids) < tokens:  # partly passed on already
-                sample = replace(sample, new_token_ids=sample.token_ids[tokens:], new_text=sample.text[chars:])
-            delivered[sample.index] = (len(sample.token_ids), len(sample.text))
+            if len(sample.token_ids) - len(sample.new_token_ids) < len(tokens):  # partly passed on already
+                sample = replace(sample, new_token_ids=sample.token_ids[len(tokens) :], new_text=sample.text[chars:])
+            delivered[sample.index] = (sample.token_ids, chars + len(sample.new_text))
             samples.append(sample)
         if output.finished:
             del self._delivered[output.request_id]
@@ -295,7 +310,9 @@ class DataParallelEngine:
 
     def _receive(self, timeout_s: float):
         """The next message from the ranks, or None after `timeout_s`. A rank process that ended restarts the
-        instance on the others (`_recover`)."""
+        instance (`_recover`)."""
+        if self._failed is not None:
+            return None
         try:
             return self._outbox.get(timeout=max(timeout_s, 0.0)) if timeout_s > 0 else self._outbox.get_nowait()
         except queue.Empty:
@@ -303,10 +320,11 @@ class DataParallelEngine:
                 self._recover({})
             return None
 
-    def _lost_ranks(self, failed: dict[int, str]) -> tuple[list[int], str]:
-        """Which ranks were lost, once one failed (`failed`: rank -> the reason it reported) or ended. A lost rank
-        takes its peers' collectives down with it, and they report failing too: so the ranks whose processes
-        ended without a word (killed, crashed) are the lost ones; where there are none, the first that reported."""
+    def _lost_ranks(self, failed: dict[int, str]) -> tuple[list[int], str, bool]:
+        """(the lost ranks, why, whether their processes ended without a word), once one failed (`failed`: rank ->
+        the reason it reported) or ended. A lost rank takes its peers' collectives down with it, and they report
+        failing too: so the ranks whose processes ended without a word (killed, crashed) are the lost ones; where
+        there are none, the first that reported (an error of its own)."""
         time.sleep(LOSS_SETTLE_S)
         while True:
             try:
@@ -318,30 +336,40 @@ class DataParallelEngine:
         silent = [r for r, p in enumerate(self._processes) if not p.is_alive() and r not in failed]
         if silent:
             codes = ", ".join(str(self._processes[r].exitcode) for r in silent)
-            return silent, f"process ended without a word (exit code {codes})"
-        first = next(iter(failed))  # no silent end: one reported failing (a rank's own error)
-        return [first], failed[first]
+            return silent, f"process ended without a word (exit code {codes})", True
+        first = next(iter(failed))
+        return [first], failed[first], False
 
     def _recover(self, failed: dict[int, str]) -> None:
-        """Restart without the lost ranks (`_lost_ranks`): stop every rank process, start a world of the others
-        on their devices (the experts placed over it afresh), and send every request in flight again from its
-        prompt."""
+        """Restart after a lost rank (`_lost_ranks`): stop every rank process and start a world again, then send
+        the requests in flight again from their prompts. A rank that died without a word (killed, crashed) takes
+        its device with it: the world shrinks, the experts are placed over the others. A rank that failed with an
+        error of its own keeps its device, and the requests it ran fail with that error instead of being sent
+        again (they may be what failed it). No request is sent again more than MAX_RESENDS times."""
+        if self._failed is not None:
+            return None
         started = time.monotonic()
-        lost, reason = self._lost_ranks(dict(failed))
+        lost, reason, silent = self._lost_ranks(dict(failed))
         if self._hub is not None:
-            self._fatal(f"engine rank(s) {lost} lost ({reason}); ranks on several nodes do not restart on their "
-                        "own yet: restart every node")  # fmt: skip
-        devices = [d for rank, d in enumerate(self._devices) if rank not in lost]
+            return self._fatal(f"engine rank(s) {lost} lost ({reason}); ranks on several nodes do not restart on "
+                               "their own yet: restart every node")  # fmt: skip
+        devices = [d for rank, d in enumerate(self._devices) if rank not in lost] if silent else self._devices
         log.error("engine rank(s) %s lost: %s; restarting on %d rank(s)", lost, reason, len(devices))
         self.shutdown(wait_s=0.0)  # the others may be blocked in a collective with the lost rank
         if not devices:
-            self._fatal(f"every engine rank was lost (the last: {reason}); restart the server")
+            return self._fatal(f"every engine rank was lost (the last: {reason}); restart the server")
+        held = {request_id for request_id, rank in self._owner.items() if rank in lost}
+        for request_id in list(self._requests):
+            self._resends[request_id] = self._resends.get(request_id, 0) + 1
+            if (not silent and request_id in held) or self._resends[request_id] > MAX_RESENDS:
+                self._fail(request_id, DeepInferError(f"an engine rank failed while running this request: {reason}"))
         self._devices, self._world = devices, len(devices)
         self._owner.clear()
+        self._close_queues()
         try:
             self._start()
         except DeepInferError as err:
-            self._fatal(f"the engine could not restart after losing rank(s) {lost}: {err}")
+            return self._fatal(f"the engine could not restart after losing rank(s) {lost}: {err}")
         for request_id, (prompt, params) in self._requests.items():
             self._send(request_id, prompt, params)
         seconds = time.monotonic() - started
@@ -353,13 +381,21 @@ class DataParallelEngine:
         )  # fmt: skip
 
     def _fatal(self, reason: str) -> None:
-        """No rank is left to serve: every call from now on raises DeepInferError(reason), and `scheduler` lists
-        every request in flight as running (the server fails them)."""
+        """No rank is left to serve: every request in flight fails with `reason` (FailedRequests in the next
+        step's outputs), and every new one is refused with it."""
+        log.error("the engine cannot go on: %s", reason)
         self.shutdown(wait_s=0.0)
         self._failed = reason
-        self._reports = [RankReport(running=tuple(self._requests))]
-        self.scheduler = RanksScheduler(self.rank_info[:1], self._reports)
-        raise DeepInferError(reason)
+        for request_id in list(self._requests):
+            self._fail(request_id, DeepInferError(reason))
+
+    def _close_queues(self) -> None:
+        """Let go of a stopped world's queues (their pipes and feeder threads)."""
+        if self._hub is not None:
+            return
+        for q in [*self._inboxes, self._outbox]:
+            q.cancel_join_thread()
+            q.close()
 
     def shutdown(self, wait_s: float = 10.0) -> None:
         """Stop every rank (idempotent): asked to stop, then killed after `wait_s`."""

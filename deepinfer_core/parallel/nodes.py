@@ -8,9 +8,9 @@ server). Chosen over torchrun: torchrun's rendezvous makes a world of the proces
 must join the head's world and its request queues, which the head defines.
 
 The transport is Python's own `multiprocessing.managers` (a manager serving the front's queues at HEAD:P,
-authenticated with $DEEPINFER_DATA_PARALLEL_KEY; it exchanges pickles, so P must be reachable only from the
-cluster's nodes); torch.distributed's rendezvous is at HEAD:P+1. A headless node reads the engine's settings
-(model, dtype, ...) from the head, so both need only agree on the flags above.
+authenticated with $DEEPINFER_DATA_PARALLEL_KEY, required unless HEAD is loopback; it exchanges pickles, so P
+must be reachable only from the cluster's nodes); torch.distributed's rendezvous is at HEAD:P+1. A headless node
+reads the engine's settings (model, dtype, ...) from the head, so both need only agree on the flags above.
 """
 
 from __future__ import annotations
@@ -46,9 +46,9 @@ class Hub:
     served at (host, port). The front uses the queues directly; ranks reach them through a HubLink."""
 
     def __init__(self, host: str, port: int, size: int, config: dict) -> None:
-        if KEY_ENV not in os.environ:
-            log.warning("$%s is not set: the data-parallel port %d takes a default key; keep it reachable from the "
-                        "cluster's nodes only", KEY_ENV, port)  # fmt: skip
+        if KEY_ENV not in os.environ and host not in ("127.0.0.1", "localhost", "::1"):
+            raise DeepInferError(f"set ${KEY_ENV} to a secret shared by every node: the ranks' queues at {host}:{port} "
+                                 "exchange pickles, which nobody else may send")  # fmt: skip
         self.inboxes = [queue.Queue() for _ in range(size)]
         self.outbox: queue.Queue = queue.Queue()
         inboxes, outbox = self.inboxes, self.outbox

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import queue
+import signal
 import time
 from datetime import timedelta
 
@@ -38,6 +39,7 @@ def rank_main(rank: int, size: int, device: int, address: str, options: dict, ex
 
     from deepinfer_core.parallel.nodes import HubLink
 
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the front's to handle (a drain), not each rank's
     if isinstance(inbox, HubLink):
         inbox, outbox = inbox.queues()
 

@@ -9,6 +9,7 @@ server's admission limits and /metrics read), and `MoELoad` turns the rows into 
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 
 from deepinfer_core.engine.scheduler import SchedulerConfig
@@ -122,18 +123,21 @@ class MoELoad:
     theirs (as parallel/eplb.py's balancedness)."""
 
     rows: dict[int, list[int]] = field(default_factory=dict)  # rank -> rows per layer
+    _lock: threading.Lock = field(default_factory=threading.Lock)  # added by the steps, drained by /metrics
 
     def add(self, rank: int, expert_rows: tuple[int, ...]) -> None:
         if not expert_rows:
             return
-        held = self.rows.setdefault(rank, [0] * len(expert_rows))
-        for layer, n in enumerate(expert_rows):
-            held[layer] += n
+        with self._lock:
+            held = self.rows.setdefault(rank, [0] * len(expert_rows))
+            for layer, n in enumerate(expert_rows):
+                held[layer] += n
 
     def drain(self, world_size: int) -> list[float] | None:
         """Each layer's moe_lb ratio since the last drain (ranks that computed nothing count as 0 rows), or
         None when no rows were computed."""
-        rows, self.rows = self.rows, {}
+        with self._lock:
+            rows, self.rows = self.rows, {}
         if not rows:
             return None
         layers = len(next(iter(rows.values())))

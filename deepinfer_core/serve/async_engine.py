@@ -18,7 +18,7 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
 from deepinfer_core.engine.engine import Engine
-from deepinfer_core.engine.request import RequestOutput
+from deepinfer_core.engine.request import FailedRequest, RequestOutput
 from deepinfer_core.errors import DeepInferError
 from deepinfer_core.sampling.params import SamplingParams
 from deepinfer_core.serve import request_log
@@ -224,6 +224,10 @@ class AsyncEngine:
                 continue
             now = time.monotonic()
             for output in outputs:
-                if (flight := self._flights.get(output.request_id)) is not None:
-                    flight.report(output, now, self.metrics)
-                    flight.queue.put_nowait(output)
+                if (flight := self._flights.get(output.request_id)) is None:
+                    continue
+                if isinstance(output, FailedRequest):  # this request alone ends, with its reason
+                    flight.queue.put_nowait(output.error)
+                    continue
+                flight.report(output, now, self.metrics)
+                flight.queue.put_nowait(output)

@@ -124,6 +124,8 @@ def test_losing_every_rank_fails_every_request_with_a_clear_error(tiny_checkpoin
     import os
     import signal
 
+    from deepinfer_core.engine.request import FailedRequest
+
     llm = LLM(tiny_checkpoint, accelerator="rowwise_cpu", num_kv_blocks=64, progress=False, data_parallel_size=2,
               enable_expert_parallel=True)  # fmt: skip
     engine = llm.engine
@@ -131,13 +133,14 @@ def test_losing_every_rank_fails_every_request_with_a_clear_error(tiny_checkpoin
         engine.add_request("a", [5, 6, 7], SamplingParams(max_tokens=50, ignore_eos=True))
         for process in engine._processes:
             os.kill(process.pid, signal.SIGKILL)
-        with pytest.raises(DeepInferError, match="every engine rank was lost"):
-            while engine.has_unfinished():
-                engine.step()
-        assert [r.request_id for r in engine.scheduler.running] == ["a"]  # what a server then fails
+        failed = []
+        while engine.has_unfinished():
+            failed += [o for o in engine.step() if isinstance(o, FailedRequest)]
+        assert [f.request_id for f in failed] == ["a"]
+        assert "every engine rank was lost" in str(failed[0].error)
         with pytest.raises(DeepInferError, match="every engine rank was lost"):
             engine.add_request("b", [5], SamplingParams(max_tokens=1))
-        engine.abort("a")
-        assert not engine.has_unfinished()
+        with pytest.raises(DeepInferError, match="every engine rank was lost"):  # what LLM.generate raises
+            llm.generate([[5]], SamplingParams(max_tokens=1), use_tqdm=False)
     finally:
         engine.shutdown()
