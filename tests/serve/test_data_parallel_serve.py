@@ -88,6 +88,22 @@ def test_a_concurrent_load_completes_and_the_metrics_show_both_ranks(ranks_serve
     assert ranks_server.wait_idle() == (0, 0, 0)
 
 
+def test_a_request_a_rank_refuses_fails_alone(ranks_server):
+    """A prompt token outside the vocabulary passes the server's checks and is refused by the rank that gets it:
+    that request is a 400 naming the problem, while requests running beside it complete."""
+
+    async def mixed():
+        async with client(ranks_server) as api:
+            good = [api.completions.create(model=MODEL, prompt=PROMPTS[i], max_tokens=16, temperature=0,
+                                           extra_body={"ignore_eos": True}) for i in range(4)]  # fmt: skip
+            bad = api.completions.create(model=MODEL, prompt=[5, 10**6], max_tokens=4)
+            return await asyncio.gather(*good, bad, return_exceptions=True)
+
+    *good, bad = asyncio.run(mixed())
+    assert all(r.choices[0].finish_reason == "length" for r in good), good
+    assert isinstance(bad, openai.BadRequestError) and "prompt token id 1000000 is outside" in str(bad), bad
+
+
 def test_structured_outputs_hold_across_ranks(ranks_server):
     async def ask():
         async with client(ranks_server) as api:
