@@ -143,8 +143,7 @@ class ServerMetrics:
         )
         self.grammar_mask = histogram(
             "deepinfer:structured_output_mask_seconds",
-            "Host time to fill one constrained request's token mask for one step (a step's masks fill in parallel: "
-            "the fill's time shared by its requests).",
+            "Host time to fill one constrained request's token mask for one step.",
             _MASK_BUCKETS,
         )
 

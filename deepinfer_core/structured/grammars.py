@@ -35,9 +35,7 @@ class StructuredOutputError(RequestError):
 class GrammarCompiler:
     """Compiles StructuredOutputsParams for one tokenizer: `tokenizer_json` (the tokenizer.json text), the
     model's vocabulary (mask width: logits rows may be wider than the tokenizer) and its end-of-sequence ids
-    (what a finished grammar allows). Thread-safe; keeps the last `cache_size` grammars. Its states' masks are
-    filled on `mask_threads` threads of llguidance's own (default: llguidance's, 80% of the host's cores, at most
-    32)."""
+    (what a finished grammar allows). Thread-safe; keeps the last `cache_size` grammars."""
 
     def __init__(
         self,
@@ -45,7 +43,6 @@ class GrammarCompiler:
         vocab_size: int,
         eos_token_ids: Iterable[int],
         cache_size: int = 256,
-        mask_threads: int | None = None,
     ):
         import llguidance
 
@@ -58,7 +55,6 @@ class GrammarCompiler:
                 f"structured outputs need a tokenizer llguidance can read; this model's cannot be used ({err})"
             ) from None
         self.vocab_size = vocab_size
-        self._executor = llguidance.LLExecutor(mask_threads)
         self._cache: OrderedDict[tuple, tuple[str, object]] = OrderedDict()  # key -> (grammar, start matcher)
         self._cache_size = cache_size
         self._lock = threading.Lock()
@@ -74,7 +70,7 @@ class GrammarCompiler:
         template = self._entry(params)[1]
         with self._lock:
             matcher = template.deep_copy()
-        return GrammarState(matcher, self.vocab_size, self._executor)
+        return GrammarState(matcher, self.vocab_size)
 
     def _entry(self, params: StructuredOutputsParams) -> tuple[str, object]:
         """(grammar text, a matcher at its start, never advanced) of `params`, compiled on a cache miss."""
@@ -88,7 +84,7 @@ class GrammarCompiler:
         entry = (grammar, self._llg.LLMatcher(self.tokenizer, grammar))
         # The first mask of a grammar builds its lexer's start states (~0.4 ms for a regex over a 129k vocabulary);
         # built here, off the engine loop, they are shared by every copy of this matcher.
-        GrammarState(entry[1], self.vocab_size, self._executor).fill(
+        GrammarState(entry[1], self.vocab_size).fill(
             torch.empty(1, bitmask_width(self.vocab_size), dtype=torch.int32), 0
         )
         self.stats.compile_seconds.append(time.perf_counter() - start)
@@ -140,10 +136,10 @@ class GrammarState:
     rows), and the tokens it emitted (`accept`). `finished`: the grammar is complete and allows only
     end-of-sequence from here."""
 
-    def __init__(self, matcher, vocab_size: int, executor) -> None:
+    def __init__(self, matcher, vocab_size: int) -> None:
         if matcher.is_error():
             raise StructuredOutputError(f"structured outputs' grammar failed to start: {matcher.get_error()}")
-        self._matcher, self._executor = matcher, executor
+        self._matcher = matcher
         self.width = bitmask_width(vocab_size)
 
     def fill(self, bitmask: torch.Tensor, row: int) -> None:
@@ -167,26 +163,18 @@ def fill_masks(
     states: Sequence[GrammarState], bitmask: torch.Tensor, drafts: Sequence[Sequence[int]] | None = None
 ) -> None:
     """Row k of the int32 [len(states), width] host `bitmask` := the tokens states[k] allows next, after drafts[k]
-    where given (a verify step's drafted tokens before that row; the state is rolled back after). The rows fill in
-    parallel on llguidance's threads, without the GIL. A row whose drafts the grammar refuses is left as it was
-    (unmasked, when the caller set it to -1): the row of the first refused draft cannot sample it, so the drafts
-    after it, and this row's token, are never kept.
+    where given (a verify step's drafted tokens before that row; the state is rolled back after). A row whose
+    drafts the grammar refuses is left as it was (unmasked, when the caller set it to -1): the row of the first
+    refused draft cannot sample it, so the drafts after it, and this row's token, are never kept.
 
-    A speculative request has one row per draft position, all on one state; rows are filled in rounds by their
-    number of drafts, so that no round holds one state twice."""
-    if not states:
-        return
-    rounds: dict[int, list[int]] = {}
-    for k in range(len(states)):
-        rounds.setdefault(len(drafts[k]) if drafts is not None else 0, []).append(k)
-    from llguidance.torch import fill_next_token_bitmask_par
+    One row after another on this thread: llguidance's parallel fill (its LLExecutor thread pool) measured several
+    times slower on the H200's 16-core host at batch 64 (bench/results/structured_overhead_*_parallel_fill.json)."""
+    from llguidance.torch import fill_next_token_bitmask
 
-    executor = states[0]._executor
-    for count, rows in sorted(rounds.items()):
-        taken = [states[k]._matcher.try_consume_tokens(list(drafts[k])) if count else 0 for k in rows]
-        ready = [(states[k]._matcher, k) for k, n in zip(rows, taken) if n == count]
-        if ready:
-            fill_next_token_bitmask_par(executor, ready, bitmask)
-        for k, n in zip(rows, taken):
-            if n:
-                states[k]._matcher.rollback(n)
+    for k, state in enumerate(states):
+        tokens = list(drafts[k]) if drafts is not None else []
+        taken = state._matcher.try_consume_tokens(tokens) if tokens else 0
+        if taken == len(tokens):
+            fill_next_token_bitmask(state._matcher, bitmask, k)
+        if taken:
+            state._matcher.rollback(taken)

@@ -25,15 +25,16 @@ def apply_grammars(
 ) -> torch.Tensor:
     """logits [S, V] with row rows[k] masked by grammars[k] (tokens it does not allow next are -inf), through the
     sampler's apply_token_bitmask (a backend's kernel) where it has one. drafts[k]: a verify step's drafted tokens
-    before row rows[k] (its mask is the grammar's after them). The masks are filled on the host, the rows in
-    parallel (`fill_masks`); `stats` gets one sample per row: the fill's time shared by its rows. The mask reaches
-    the device without the host waiting for the device's queued work (the step's model, issued before this):
-    pinned memory and an asynchronous copy where the device has them."""
+    before row rows[k] (its mask is the grammar's after them). The masks are filled on the host (`fill_masks`);
+    `stats` gets each row's fill time. The mask reaches the device without the host waiting for the device's
+    queued work (the step's model, issued before this): pinned memory and an asynchronous copy where the device
+    has them."""
     mask = host_staging((len(rows), grammars[0].width), torch.int32, logits.device).fill_(-1)
-    start = time.perf_counter()
-    fill_masks(grammars, mask, drafts)
-    if stats is not None:
-        stats.mask_seconds.extend([(time.perf_counter() - start) / len(rows)] * len(rows))
+    for k, grammar in enumerate(grammars):
+        start = time.perf_counter()
+        fill_masks([grammar], mask[k : k + 1], None if drafts is None else [drafts[k]])
+        if stats is not None:
+            stats.mask_seconds.append(time.perf_counter() - start)
     bitmask = mask.to(logits.device, non_blocking=True)
     if len(rows) == logits.shape[0]:  # every row constrained: no gather and scatter of the rows
         return masked_logits(sampler, logits.clone(), bitmask)

@@ -13,7 +13,7 @@ _KEPT = 4096  # samples held between two scrapes at most (older ones are dropped
 @dataclass
 class StructuredOutputStats:
     """compile_seconds: one sample per grammar compiled (a cache miss); mask_seconds: one per constrained row of a
-    step, the host time to fill its token mask (a step's rows fill in parallel: their fill's time shared evenly)."""
+    step, the host time to fill its token mask."""
 
     compile_seconds: deque[float] = field(default_factory=lambda: deque(maxlen=_KEPT))
     mask_seconds: deque[float] = field(default_factory=lambda: deque(maxlen=_KEPT))
