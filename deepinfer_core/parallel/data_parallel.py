@@ -47,6 +47,50 @@ LOSS_SETTLE_S = 0.5  # after a rank fails or ends, how long the others get to no
 MAX_RESENDS = 2  # restarts a request may be sent again after, before it fails
 
 
+class _PipeOutbox:
+    """A rank's end of its pipe to the front, with the queue's `put`."""
+
+    def __init__(self, writer) -> None:
+        self.writer = writer
+
+    def put(self, message) -> None:
+        self.writer.send(message)
+
+
+class _RankPipes:
+    """The front's ends of the ranks' pipes, read as one queue (`get`, `get_nowait`, raising queue.Empty). A pipe
+    whose rank ended (EOF) is dropped; the front learns of the rank's end from its process."""
+
+    def __init__(self, readers: list) -> None:
+        self._readers = list(readers)
+
+    def get(self, timeout: float | None = None):
+        from multiprocessing.connection import wait
+
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self._readers:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            for reader in wait(self._readers, left):
+                try:
+                    return reader.recv()
+                except (EOFError, OSError):
+                    self._readers.remove(reader)
+                    reader.close()
+            if deadline is not None and time.monotonic() >= deadline:
+                break
+        if not self._readers and timeout:
+            time.sleep(min(timeout, 0.05))  # every rank ended: let the caller notice, without spinning
+        raise queue.Empty
+
+    def get_nowait(self):
+        return self.get(timeout=0.0)
+
+    def close(self) -> None:
+        for reader in self._readers:
+            reader.close()
+        self._readers = []
+
+
 def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
@@ -109,9 +153,13 @@ class DataParallelEngine:
         context = multiprocessing.get_context("spawn")
         size = self.size
         if self._hub is None:
-            self._outbox = context.Queue()
+            # each rank writes to a pipe of its own: a rank killed halfway through a message ends only its pipe
+            # (the front reads EOF), where a shared queue would leave the front waiting for the rest
+            pipes = [context.Pipe(duplex=False) for _ in range(size)]
+            self._outbox = _RankPipes([reader for reader, _ in pipes])
             self._inboxes = [context.Queue() for _ in range(size)]
-            address, links = f"tcp://127.0.0.1:{_free_port()}", [(q, self._outbox) for q in self._inboxes]
+            address = f"tcp://127.0.0.1:{_free_port()}"
+            links = [(q, _PipeOutbox(writer)) for q, (_, writer) in zip(self._inboxes, pipes)]
         else:
             from deepinfer_core.parallel.nodes import HubLink
 
@@ -128,6 +176,9 @@ class DataParallelEngine:
         ]
         for process in self._processes:
             process.start()
+        if self._hub is None:
+            for _, outbox in links:
+                outbox.writer.close()  # the rank holds it now; once the rank ends, its pipe reads EOF
         self._loads = [RankLoad() for _ in range(size)]
         self._reports = [RankReport() for _ in range(size)]
         self.rank_info: list[dict] = [{}] * size
@@ -393,9 +444,10 @@ class DataParallelEngine:
         """Let go of a stopped world's queues (their pipes and feeder threads)."""
         if self._hub is not None:
             return
-        for q in [*self._inboxes, self._outbox]:
+        for q in self._inboxes:
             q.cancel_join_thread()
             q.close()
+        self._outbox.close()
 
     def shutdown(self, wait_s: float = 10.0) -> None:
         """Stop every rank (idempotent): asked to stop, then killed after `wait_s`."""
