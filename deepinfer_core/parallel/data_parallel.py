@@ -26,7 +26,6 @@ import logging
 import multiprocessing
 import queue
 import random
-import socket
 import time
 from collections.abc import Sequence
 from dataclasses import replace
@@ -34,6 +33,7 @@ from typing import Any
 
 from deepinfer_core.engine.request import FailedRequest
 from deepinfer_core.errors import DeepInferError, RequestError
+from deepinfer_core.parallel.rank_pipes import PipeOutbox, RankPipes, free_port
 from deepinfer_core.parallel.rank_process import rank_main
 from deepinfer_core.parallel.rank_reports import MoELoad, RankReport, RanksBlocks, RanksScheduler
 from deepinfer_core.parallel.routing import RankLoad, choose_rank
@@ -45,56 +45,6 @@ log = logging.getLogger(__name__)
 START_TIMEOUT_S = 600.0  # a rank loading its weights
 LOSS_SETTLE_S = 0.5  # after a rank fails or ends, how long the others get to notice and report
 MAX_RESENDS = 2  # restarts a request may be sent again after, before it fails
-
-
-class _PipeOutbox:
-    """A rank's end of its pipe to the front, with the queue's `put`."""
-
-    def __init__(self, writer) -> None:
-        self.writer = writer
-
-    def put(self, message) -> None:
-        self.writer.send(message)
-
-
-class _RankPipes:
-    """The front's ends of the ranks' pipes, read as one queue (`get`, `get_nowait`, raising queue.Empty). A pipe
-    whose rank ended (EOF) is dropped; the front learns of the rank's end from its process."""
-
-    def __init__(self, readers: list) -> None:
-        self._readers = list(readers)
-
-    def get(self, timeout: float | None = None):
-        from multiprocessing.connection import wait
-
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while self._readers:
-            left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            for reader in wait(self._readers, left):
-                try:
-                    return reader.recv()
-                except (EOFError, OSError):
-                    self._readers.remove(reader)
-                    reader.close()
-            if deadline is not None and time.monotonic() >= deadline:
-                break
-        if not self._readers and timeout:
-            time.sleep(min(timeout, 0.05))  # every rank ended: let the caller notice, without spinning
-        raise queue.Empty
-
-    def get_nowait(self):
-        return self.get(timeout=0.0)
-
-    def close(self) -> None:
-        for reader in self._readers:
-            reader.close()
-        self._readers = []
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 class DataParallelEngine:
@@ -156,10 +106,10 @@ class DataParallelEngine:
             # each rank writes to a pipe of its own: a rank killed halfway through a message ends only its pipe
             # (the front reads EOF), where a shared queue would leave the front waiting for the rest
             pipes = [context.Pipe(duplex=False) for _ in range(size)]
-            self._outbox = _RankPipes([reader for reader, _ in pipes])
+            self._outbox = RankPipes([reader for reader, _ in pipes])
             self._inboxes = [context.Queue() for _ in range(size)]
-            address = f"tcp://127.0.0.1:{_free_port()}"
-            links = [(q, _PipeOutbox(writer)) for q, (_, writer) in zip(self._inboxes, pipes)]
+            address = f"tcp://127.0.0.1:{free_port()}"
+            links = [(q, PipeOutbox(writer)) for q, (_, writer) in zip(self._inboxes, pipes)]
         else:
             from deepinfer_core.parallel.nodes import HubLink
 
