@@ -123,7 +123,8 @@ class BackendSpec:
 
     @hookspec(firstresult=True)
     def deepinfer_backend_communicator(self, device: DeviceFacts, world_size: int, rank: int) -> ExpertCommunicator:
-        """Return the expert-parallel dispatch/combine transport for this rank.
+        """Return the expert-parallel dispatch/combine transport for this rank (its `exchange` of whole rows also
+        carries EPLB's expert weights between the ranks).
 
         Optional; default: AllToAllCommunicator over torch.distributed's default process group (which the
         launcher has initialised) when world_size is that group's size, else (world_size 1 with no such group, or
