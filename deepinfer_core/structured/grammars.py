@@ -139,12 +139,21 @@ class GrammarState:
     def __init__(self, matcher, vocab_size: int) -> None:
         if matcher.is_error():
             raise StructuredOutputError(f"structured outputs' grammar failed to start: {matcher.get_error()}")
-        self._matcher = matcher
+        from llguidance.torch import fill_next_token_bitmask
+
+        self._matcher, self._fill = matcher, fill_next_token_bitmask
         self.width = bitmask_width(vocab_size)
 
-    def fill(self, bitmask: torch.Tensor, row: int) -> None:
-        """Write the allowed next tokens into row `row` of an int32 [rows, width] host bitmask."""
-        fill_masks([self], bitmask[row : row + 1])
+    def fill(self, bitmask: torch.Tensor, row: int, drafts: Sequence[int] = ()) -> None:
+        """Write the allowed next tokens into row `row` of an int32 [rows, width] host bitmask: after `drafts`
+        where given (a verify step's drafted tokens before that row; the state is rolled back after). A row whose
+        drafts the grammar refuses is left as it was (unmasked, when the caller set it to -1): the row of the first
+        refused draft cannot sample it, so the drafts after it, and this row's token, are never kept."""
+        taken = self._matcher.try_consume_tokens(list(drafts)) if drafts else 0
+        if taken == len(drafts):
+            self._fill(self._matcher, bitmask, row)
+        if taken:
+            self._matcher.rollback(taken)
 
     def accept(self, token: int) -> bool:
         """Advance by an emitted token; False when the grammar does not allow it (the state is then an error)."""
@@ -162,19 +171,9 @@ class GrammarState:
 def fill_masks(
     states: Sequence[GrammarState], bitmask: torch.Tensor, drafts: Sequence[Sequence[int]] | None = None
 ) -> None:
-    """Row k of the int32 [len(states), width] host `bitmask` := the tokens states[k] allows next, after drafts[k]
-    where given (a verify step's drafted tokens before that row; the state is rolled back after). A row whose
-    drafts the grammar refuses is left as it was (unmasked, when the caller set it to -1): the row of the first
-    refused draft cannot sample it, so the drafts after it, and this row's token, are never kept.
+    """Row k of the int32 [len(states), width] host `bitmask` := states[k].fill after drafts[k] (where given).
 
     One row after another on this thread: llguidance's parallel fill (its LLExecutor thread pool) measured several
     times slower on the H200's 16-core host at batch 64 (bench/results/structured_overhead_*_parallel_fill.json)."""
-    from llguidance.torch import fill_next_token_bitmask
-
     for k, state in enumerate(states):
-        tokens = list(drafts[k]) if drafts is not None else []
-        taken = state._matcher.try_consume_tokens(tokens) if tokens else 0
-        if taken == len(tokens):
-            fill_next_token_bitmask(state._matcher, bitmask, k)
-        if taken:
-            state._matcher.rollback(taken)
+        state.fill(bitmask, k, drafts[k] if drafts is not None else ())

@@ -9,7 +9,7 @@ import torch
 
 from deepinfer_core.engine.transfer import host_staging, to_device
 from deepinfer_core.sampling.bitmask import masked_logits
-from deepinfer_core.structured.grammars import GrammarState, fill_masks
+from deepinfer_core.structured.grammars import GrammarState
 from deepinfer_core.structured.stats import StructuredOutputStats
 
 __all__ = ["apply_grammars", "mask_grammar_rows"]
@@ -25,14 +25,14 @@ def apply_grammars(
 ) -> torch.Tensor:
     """logits [S, V] with row rows[k] masked by grammars[k] (tokens it does not allow next are -inf), through the
     sampler's apply_token_bitmask (a backend's kernel) where it has one. drafts[k]: a verify step's drafted tokens
-    before row rows[k] (its mask is the grammar's after them). The masks are filled on the host (`fill_masks`);
+    before row rows[k] (its mask is the grammar's after them). The masks are filled on the host (`GrammarState.fill`);
     `stats` gets each row's fill time. The mask reaches the device without the host waiting for the device's
     queued work (the step's model, issued before this): pinned memory and an asynchronous copy where the device
     has them."""
     mask = host_staging((len(rows), grammars[0].width), torch.int32, logits.device).fill_(-1)
     for k, grammar in enumerate(grammars):
         start = time.perf_counter()
-        fill_masks([grammar], mask[k : k + 1], None if drafts is None else [drafts[k]])
+        grammar.fill(mask, k, drafts[k] if drafts is not None else ())
         if stats is not None:
             stats.mask_seconds.append(time.perf_counter() - start)
     bitmask = mask.to(logits.device, non_blocking=True)
