@@ -41,7 +41,7 @@ CONSTRAINTS = {
 }
 
 
-def run(llm, batch: int, max_tokens: int, constraint: dict | None, repeats: int) -> dict:
+def workload(batch: int, max_tokens: int, constraint: dict | None):
     from deepinfer import SamplingParams, StructuredOutputsParams
 
     wanted = StructuredOutputsParams(**constraint) if constraint else None
@@ -49,20 +49,26 @@ def run(llm, batch: int, max_tokens: int, constraint: dict | None, repeats: int)
         SamplingParams(temperature=1.0, seed=i, max_tokens=max_tokens, ignore_eos=True, structured_outputs=wanted)
         for i in range(batch)
     ]
-    prompts = [f"Request {i}: write something." for i in range(batch)]
-    llm.generate(prompts[:1], params[:1], use_tqdm=False)  # warm: compiles the grammar, fills the caches
-    if (stats := llm.engine.structured_stats) is not None:
+    return [f"Request {i}: write something." for i in range(batch)], params
+
+
+def timed(llm, prompts, params) -> tuple[float, list, list[float]]:
+    """(seconds, outputs, mask times) of one run."""
+    stats = llm.engine.structured_stats
+    if stats is not None:
         stats.drain()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        outputs = llm.generate(prompts, params, use_tqdm=False)
-        times.append(time.perf_counter() - start)
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    seconds = time.perf_counter() - start
+    return seconds, outputs, (stats.drain()[1] if stats is not None else [])
+
+
+def summary(times: list[float], outputs, masks: list[float], constraint: dict | None) -> dict:
     seconds = statistics.median(times)
     tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
     row = {"seconds": seconds, "seconds_per_repeat": times, "tokens": tokens, "tokens_per_s": tokens / seconds}
     if constraint:
-        masks = sorted(llm.engine.structured_stats.drain()[1])
+        masks = sorted(masks)
         texts = [o.outputs[0].text for o in outputs]
         follows = (
             (lambda t: re.fullmatch(r"[a-z ]*", t))
@@ -77,6 +83,25 @@ def run(llm, batch: int, max_tokens: int, constraint: dict | None, repeats: int)
             mask_us_p90=masks[int(len(masks) * 0.9)] * 1e6,
         )
     return row
+
+
+def run_batch(llm, batch: int, max_tokens: int, repeats: int) -> dict[str, dict]:
+    """Each configuration (unconstrained, then each constraint) once as a warm-up (device graphs, grammars,
+    caches), then `repeats` rounds of one timed run of each, interleaved so that a drift of the machine's speed
+    falls on all of them alike."""
+    configs = {"unconstrained": None, **CONSTRAINTS}
+    work = {name: workload(batch, max_tokens, c) for name, c in configs.items()}
+    for prompts, params in work.values():
+        llm.generate(prompts, params, use_tqdm=False)
+    times = {name: [] for name in configs}
+    last = {}
+    for _ in range(repeats):
+        for name, (prompts, params) in work.items():
+            seconds, outputs, masks = timed(llm, prompts, params)
+            times[name].append(seconds)
+            previous = last.get(name, (None, []))[1]
+            last[name] = (outputs, previous + masks)
+    return {name: summary(times[name], *last[name], configs[name]) for name in configs}
 
 
 def write_v4_width(folder: Path, device: str) -> Path:
@@ -120,9 +145,10 @@ def main(argv: list[str] | None = None) -> int:
         llm = LLM(str(folder), accelerator=args.accelerator, dtype="bfloat16", max_num_seqs=64, progress=False)
     rows = []
     for batch in [int(b) for b in args.batches.split(",")]:
-        plain = run(llm, batch, args.max_tokens, None, args.repeats)
-        for name, constraint in CONSTRAINTS.items():
-            constrained = run(llm, batch, args.max_tokens, constraint, args.repeats)
+        runs = run_batch(llm, batch, args.max_tokens, args.repeats)
+        plain = runs["unconstrained"]
+        for name in CONSTRAINTS:
+            constrained = runs[name]
             row = {
                 "batch": batch,
                 "constraint": name,
@@ -149,7 +175,8 @@ def main(argv: list[str] | None = None) -> int:
         "max_tokens": args.max_tokens,
         "constraints": CONSTRAINTS,
         "method": f"one LLM ({args.model}); per batch the same prompts and seeds unconstrained and constrained, "
-        "ignore_eos, each after a one-request warm-up, the median of --repeats timed runs; "
+        "ignore_eos; each configuration run once untimed, then --repeats rounds of one timed run of each "
+        "(interleaved), the median kept; "
         "mask times are the engine's per constrained row of a step",
         "targets": "mask < 50 us per token per request at batch 64; throughput lost <= 10% (issue #19)",
         "rows": rows,

@@ -7,7 +7,6 @@ the step still in flight sampled is taken from that step's token tensor, on the 
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable, Sequence
 
 import torch
@@ -21,12 +20,11 @@ from deepinfer_core.engine.pending import InFlightTokens, filled
 from deepinfer_core.engine.request import Request
 from deepinfer_core.engine.snapshots import first_needed
 from deepinfer_core.engine.step_batch import PromptLogprobs, PromptSpan, StepBatch, StepOutput
+from deepinfer_core.engine.step_sampling import StepSampling
 from deepinfer_core.engine.transfer import to_device
 from deepinfer_core.kv.caches import allocate_caches
-from deepinfer_core.sampling.logprobs import TokenLogprobs, logprobs_of, ranks_of, reports_logprobs, with_raw_logprobs
-from deepinfer_core.sampling.rejection import rejection_tokens, select_rows
-from deepinfer_core.sampling.sampler import SampleOutput, SamplingBatch
-from deepinfer_core.structured.masks import mask_grammar_rows
+from deepinfer_core.sampling.logprobs import TokenLogprobs, logprobs_of
+from deepinfer_core.sampling.sampler import SampleOutput
 from deepinfer_core.structured.stats import StructuredOutputStats
 
 __all__ = ["ModelRunner", "PromptLogprobs", "PromptSpan", "StepBatch", "StepOutput"]
@@ -278,70 +276,12 @@ class ModelRunner:
         ]
         return PromptLogprobs(request, span.first, TokenLogprobs.cat(parts))
 
-    def _mask_stop_tokens(self, logits: torch.Tensor, rows: list[int], requests: Sequence[Request]) -> torch.Tensor:
-        """logits [S, V] with each of `rows`' EOS and stop token ids at -inf (min_tokens not reached yet)."""
-        at = [(row, token) for row in rows for token in requests[row].min_tokens_masked]
-        index = to_device(at, self.device).unbind(1)  # ([M], [M])
-        return logits.index_put(index, torch.full((), float("-inf"), device=logits.device))  # a fill: no copy
-
-    @torch.inference_mode()
     def sample(
         self, batch: StepBatch, logits: torch.Tensor, in_flight: InFlightTokens | None = None
     ) -> tuple[SampleOutput, torch.Tensor | None]:
-        """One token per sampled row of `batch` from its logits [S, V], and the rank of each among them
-        (None when no row asked for logprobs). Penalties count every output token, those `in_flight`
-        sampled included: they are copied in on the device. Rows within min_tokens cannot sample EOS or
-        a stop token id; their logprobs are still the unmasked logits' (as vLLM's)."""
-        sampled = batch.sampled
-        sampling = SamplingBatch.build(
-            [r.params for r in sampled],
-            [r.seed for r in sampled],
-            [r.prompt_token_ids for r in sampled],
-            [batch.outputs(i) + [0] * r.num_pending_tokens for i, r in enumerate(sampled)],  # 0: replaced below
-            self.device,
-        )
-        # (row, column in output_tokens, row in in_flight) of each output token still on the device
-        pending = [
-            (i, len(r.output_token_ids), in_flight.rows[r]) for i, r in enumerate(sampled) if r.num_pending_tokens
-        ]
-        if pending and sampling.any_penalty:  # the token lists exist only for the penalties
-            rows, columns, sources = to_device(pending, self.device).unbind(1)  # [P] each
-            sampling.output_tokens[rows, columns] = in_flight.token_ids[sources]
-        if batch.ahead is not None:  # drafts accepted in flight: each row's output index is that much further
-            sampling = dataclasses.replace(sampling, steps=sampling.steps + batch.ahead)
-        offsets = batch.draft_offsets or (0,) * len(sampled)
-        masked_rows = [i for i, r in enumerate(sampled) if r.masks_stop_tokens(offsets[i])]
-        seen = self._mask_stop_tokens(logits, masked_rows, sampled) if masked_rows else logits
-        seen, constrained = mask_grammar_rows(self.sampler, seen, sampled, batch.draft_offsets, self.structured_stats)
-        output = self.sampler.sample(seen, sampling)
-        # the raw (unmasked) logprobs where they are reported: logprobs asked for, or best_of's ranking
-        raw_rows = [i for i in sorted(set(masked_rows) | set(constrained)) if reports_logprobs(sampled[i].params)]
-        if raw_rows:
-            output = with_raw_logprobs(output, logits, to_device(raw_rows, self.device))
-        if self.rejection and batch.draft_offsets:
-            output = self._rejection(batch, logits, seen, sampling, output)
-        wants_ranks = any(r.params.logprobs is not None for r in sampled)
-        return output, ranks_of(logits, output.token_ids) if wants_ranks else None
-
-    def _rejection(
-        self, batch: StepBatch, logits: torch.Tensor, seen: torch.Tensor, sampling: SamplingBatch, output: SampleOutput
-    ) -> SampleOutput:
-        """Rejection sampling: the rows that check a draft take `rejection_tokens`' token (and its raw logprob)."""
-        rows, drafts = [], []
-        for i, (request, offset) in enumerate(zip(batch.sampled, batch.draft_offsets)):
-            if offset < len(request.draft_token_ids):
-                rows.append(i)
-                drafts.append(request.draft_token_ids[offset])
-        if not rows:
-            return output
-        index = to_device(rows, self.device)
-        tokens = rejection_tokens(seen[index], select_rows(sampling, index), to_device(drafts, self.device))
-        raw = torch.log_softmax(logits[index], dim=1).gather(1, tokens[:, None])[:, 0]
-        return dataclasses.replace(
-            output,
-            token_ids=output.token_ids.index_put((index,), tokens),
-            logprobs=output.logprobs.index_put((index,), raw),
-        )
+        """One token per sampled row of `batch` from its logits [S, V], and the rank of each (`StepSampling`)."""
+        stats = self.structured_stats
+        return StepSampling(batch, logits, in_flight, self.sampler, self.device, stats, self.rejection).finish()
 
     def execute(
         self,

