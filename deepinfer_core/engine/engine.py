@@ -254,8 +254,10 @@ class Engine:
                 outputs, self._in_flight = self._finalize(self._in_flight), None  # the next step needs its results
             launched = self._launch()
             previous, self._in_flight = self._in_flight, launched
-            if previous is not None:
+            if previous is not None:  # while the launched step's structured-output masks fill, if it has any
                 outputs = self._finalize(previous)
+            if launched is not None:
+                launched.issue()
         self.scheduler.record_step_time(time.perf_counter() - started)  # adaptive verification learns from it
         return outputs
 
@@ -284,7 +286,7 @@ class Engine:
         if self.snapshots is not None:
             needed = [first_needed(r, self.blocks.block_size, True) for r, _ in scheduled.requests]
         grammars = self._in_flight.grammar_feed() if self._in_flight else None  # while this step's model runs
-        launched = LaunchedStep(scheduled, self.runner.execute(scheduled.requests, in_flight, grammars))
+        launched = LaunchedStep(scheduled, self.runner.launch(scheduled.requests, in_flight, grammars))
         for row, (request, count) in enumerate(scheduled.requests):
             request.num_computed_tokens += count - len(request.draft_token_ids)  # drafts: once accepted
             self.blocks.cache_full_blocks(request)  # blocks whose tokens are all known on the host
@@ -294,7 +296,7 @@ class Engine:
                 self._release_samples(request)
         for request in dict.fromkeys(launched.sampled):  # a verify step samples a request on several rows
             request.num_pending_tokens += 1  # known when this step is finalized (with any accepted drafts)
-        for chunk in launched.output.prompt_logprobs:
+        for chunk in launched.prompt_logprobs:
             chunk.request.num_prompt_logprobs = chunk.first + chunk.logprobs.logprobs.shape[0] - 1
         return launched
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -10,6 +11,9 @@ from deepinfer_core.engine.request import Request
 from deepinfer_core.engine.scheduler import ScheduledStep
 from deepinfer_core.engine.step_batch import StepOutput
 from deepinfer_core.engine.transfer import HostCopy, to_device
+
+if TYPE_CHECKING:
+    from deepinfer_core.engine.step_sampling import IssuedStep
 
 __all__ = ["HostPromptLogprobs", "HostResults", "InFlightTokens", "LaunchedStep", "filled"]
 
@@ -64,11 +68,13 @@ class HostResults:
 
 
 class LaunchedStep:
-    """A step whose model and sampler work is issued. The copy of its results to the host starts
-    now; `read()` waits for that copy only, not for steps issued after it."""
+    """A step whose model's work is issued. Its sampling is issued by then too, or by `issue()` where its
+    structured-output masks fill in the background (the engine calls it after its other host work of the step;
+    reading the step calls it too). The copy of its results to the host starts then; `read()` waits for that copy
+    only, not for steps issued after it."""
 
-    def __init__(self, scheduled: ScheduledStep, output: StepOutput) -> None:
-        """Made right after the step is issued, before its requests' progress is updated."""
+    def __init__(self, scheduled: ScheduledStep, issued: IssuedStep) -> None:
+        """Made right after the step's model is issued, before its requests' progress is updated."""
         self.scheduled = scheduled
         # one token past the prompt (and its drafts, if it verifies any): decodes; the rest is prefill
         self.num_decode_tokens = sum(
@@ -79,8 +85,27 @@ class LaunchedStep:
         )
         # the drafts a verify step checks, per request (the requests' own lists change with the next plan)
         self.drafts = {r: list(r.draft_token_ids) for r, _ in scheduled.requests if r.draft_token_ids}
-        self.sampled = output.sampled  # the requests that get a token, in the sampler's row order
-        self.output = output  # on the device
+        self.sampled = issued.sampled  # the requests that get a token, in the sampler's row order
+        self.prompt_logprobs = issued.prompt_logprobs
+        self._issued = issued
+        self._output: StepOutput | None = None
+        self._host: HostCopy | None = None
+        self._results: HostResults | None = None
+        # structured outputs: the requests whose grammar took this step's token early (`advance_grammars`), and
+        # whether the grammar allowed it
+        self.grammar_accepted: dict[Request, bool] = {}
+
+    @property
+    def output(self) -> StepOutput:
+        """The step's results on the device (its sampling issued)."""
+        self.issue()
+        return self._output
+
+    def issue(self) -> None:
+        """Issue the step's sampling if it is not yet, and start copying its results to the host (once)."""
+        if self._output is not None:
+            return
+        output = self._output = self._issued.finish()
         tokens = output.tokens
         tensors = [tokens.token_ids, tokens.logprobs, tokens.top_token_ids, tokens.top_logprobs] if tokens else []
         if output.ranks is not None:
@@ -93,10 +118,6 @@ class LaunchedStep:
         if output.draft_confidence is not None:
             tensors.append(output.draft_confidence)
         self._host = HostCopy(tensors)
-        self._results: HostResults | None = None
-        # structured outputs: the requests whose grammar took this step's token early (`advance_grammars`), and
-        # whether the grammar allowed it
-        self.grammar_accepted: dict[Request, bool] = {}
 
     def tokens(self) -> InFlightTokens | None:
         """Where the next step finds this step's tokens."""
@@ -150,13 +171,14 @@ class LaunchedStep:
         return self._results
 
     def _read(self) -> HostResults:
+        self.issue()
         values = [t.tolist() for t in self._host.wait()]
         tokens = values[:4] if self.output.tokens is not None else [[], [], [], []]
         del values[: 4 if self.output.tokens is not None else 0]
         ranks = values.pop(0) if self.output.ranks is not None else None
         prompt = [
             HostPromptLogprobs(chunk.request, chunk.first, *values[4 * i : 4 * i + 4])
-            for i, chunk in enumerate(self.output.prompt_logprobs)
+            for i, chunk in enumerate(self.prompt_logprobs)
         ]
         del values[: 4 * len(prompt)]
         drafts = values.pop(0) if self.output.drafts is not None else None

@@ -20,7 +20,7 @@ from deepinfer_core.engine.pending import InFlightTokens, filled
 from deepinfer_core.engine.request import Request
 from deepinfer_core.engine.snapshots import first_needed
 from deepinfer_core.engine.step_batch import PromptLogprobs, PromptSpan, StepBatch, StepOutput
-from deepinfer_core.engine.step_sampling import StepSampling
+from deepinfer_core.engine.step_sampling import IssuedStep, StepSampling
 from deepinfer_core.engine.transfer import to_device
 from deepinfer_core.kv.caches import allocate_caches
 from deepinfer_core.sampling.logprobs import TokenLogprobs, logprobs_of
@@ -289,8 +289,19 @@ class ModelRunner:
         in_flight: InFlightTokens | None = None,
         before_sampling: Callable[[], None] | None = None,
     ) -> StepOutput:
-        """Run the step: its tokens and logprobs stay on the device. `before_sampling` runs after the model's work
-        is issued and before sampling (structured outputs: the previous step's tokens reach the grammars)."""
+        """Run the step: its tokens and logprobs stay on the device (`launch`, its sampling issued)."""
+        return self.launch(scheduled, in_flight, before_sampling).finish()
+
+    def launch(
+        self,
+        scheduled: Sequence[tuple[Request, int]],
+        in_flight: InFlightTokens | None = None,
+        before_sampling: Callable[[], None] | None = None,
+    ) -> IssuedStep:
+        """Issue the step's model and its sampling, except while its structured-output masks fill in the background:
+        then `finish()` on the result issues the sampling (the caller's other host work runs meanwhile).
+        `before_sampling` runs after the model's work is issued and before the sampling is prepared (structured
+        outputs: the previous step's tokens reach the grammars)."""
         batch = self.prepare(scheduled, in_flight)
         if self.drafter is None:
             logits, prompt_logprobs = self.run_model(batch)  # [S, V]
@@ -299,19 +310,26 @@ class ModelRunner:
         if not batch.sampled:
             if self.drafter is not None:  # prefill chunks: the drafter's cache follows the model's
                 self._draft(batch, hidden, None)
-            return StepOutput([], None, None, prompt_logprobs)
+            return IssuedStep([], prompt_logprobs, StepOutput([], None, None, prompt_logprobs))
         if before_sampling is not None:
             before_sampling()
-        tokens, ranks = self.sample(batch, logits, in_flight)
+        stats = self.structured_stats
+        sampling = StepSampling(batch, logits, in_flight, self.sampler, self.device, stats, self.rejection)
         if self.drafter is None:
-            return StepOutput(batch.sampled, tokens, ranks, prompt_logprobs)
+            issued = IssuedStep(batch.sampled, prompt_logprobs, lambda: StepOutput(batch.sampled, *sampling.finish(),
+                                                                                   prompt_logprobs))  # fmt: skip
+            if sampling.masks is None or not sampling.masks.in_background:
+                issued.finish()
+            return issued
+        tokens, ranks = sampling.finish()  # the drafter drafts from the tokens at once
         accepted = accepted_drafts(batch.drafting, tokens.token_ids)
         drafts = self._draft(batch, hidden, tokens.token_ids, accepted)
         confidence = None
         if isinstance(drafts, tuple):  # a drafter with a confidence head (DSpark)
             drafts, confidence = drafts
         newest = tokens.token_ids[batch.drafting.first_row + accepted]
-        return StepOutput(batch.sampled, tokens, ranks, prompt_logprobs, drafts, confidence, accepted, newest)
+        output = StepOutput(batch.sampled, tokens, ranks, prompt_logprobs, drafts, confidence, accepted, newest)
+        return IssuedStep(batch.sampled, prompt_logprobs, output)
 
     @torch.inference_mode()
     def _draft(

@@ -1,16 +1,18 @@
 """A step's sampling: what it reads of the requests on the host (the sampling batch, min_tokens masks,
-structured outputs' masks), then its work on the device (`StepSampling.finish`)."""
+structured outputs' masks), then its work on the device (`StepSampling.finish`). While structured outputs' masks
+fill in the background the engine does the rest of its host work for the step (the previous step's tokens read,
+detokenized, reported) before issuing the sampling (`IssuedStep`)."""
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
 from deepinfer_core.engine.pending import InFlightTokens
 from deepinfer_core.engine.request import Request
-from deepinfer_core.engine.step_batch import StepBatch
+from deepinfer_core.engine.step_batch import PromptLogprobs, StepBatch, StepOutput
 from deepinfer_core.engine.transfer import to_device
 from deepinfer_core.sampling.logprobs import ranks_of, reports_logprobs, with_raw_logprobs
 from deepinfer_core.sampling.rejection import rejection_tokens, select_rows
@@ -18,7 +20,7 @@ from deepinfer_core.sampling.sampler import SampleOutput, SamplingBatch
 from deepinfer_core.structured.masks import grammar_masks
 from deepinfer_core.structured.stats import StructuredOutputStats
 
-__all__ = ["StepSampling"]
+__all__ = ["IssuedStep", "StepSampling"]
 
 
 class StepSampling:
@@ -105,3 +107,22 @@ class StepSampling:
             token_ids=output.token_ids.index_put((index,), tokens),
             logprobs=output.logprobs.index_put((index,), raw),
         )
+
+
+class IssuedStep:
+    """A step whose model's work is issued: the requests it samples (in the sampler's row order) and its prompt
+    logprobs are known; `finish()` issues its sampling (once, if not yet) and returns its StepOutput."""
+
+    def __init__(
+        self,
+        sampled: list[Request],
+        prompt_logprobs: list[PromptLogprobs],
+        finish: Callable[[], StepOutput] | StepOutput,
+    ) -> None:
+        self.sampled, self.prompt_logprobs = sampled, prompt_logprobs
+        self._finish, self._output = (None, finish) if isinstance(finish, StepOutput) else (finish, None)
+
+    def finish(self) -> StepOutput:
+        if self._output is None:
+            self._output = self._finish()
+        return self._output

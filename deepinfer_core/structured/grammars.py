@@ -16,7 +16,7 @@ import json
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 
@@ -25,7 +25,14 @@ from deepinfer_core.sampling.bitmask import bitmask_width
 from deepinfer_core.structured.params import StructuredOutputsParams
 from deepinfer_core.structured.stats import StructuredOutputStats
 
-__all__ = ["GrammarCompiler", "GrammarState", "StructuredOutputError", "after_reasoning", "fill_masks"]
+__all__ = [
+    "GrammarCompiler",
+    "GrammarState",
+    "StructuredOutputError",
+    "after_reasoning",
+    "fill_masks",
+    "mask_filler",
+]
 
 
 class StructuredOutputError(RequestError):
@@ -172,23 +179,31 @@ class GrammarState:
 def fill_masks(
     states: Sequence[GrammarState], bitmask: torch.Tensor, drafts: Sequence[Sequence[int]] | None = None
 ) -> None:
-    """Row k of the int32 [len(states), width] host `bitmask` := states[k].fill after drafts[k] (where given).
-
-    Without drafts, one call into llguidance fills every row (its executor, on one thread: no interpreter lock
-    is held while it works, so a worker thread filling masks runs beside the engine's Python; several threads
-    measured several times slower on the H200's 16-core host at batch 64,
-    bench/results/structured_overhead_*_parallel_fill.json). With drafts, one row after another."""
-    if drafts is not None:
-        for k, state in enumerate(states):
-            state.fill(bitmask, k, drafts[k])
+    """Row k of the int32 [len(states), width] host `bitmask` := states[k].fill after drafts[k] (where given):
+    without drafts `mask_filler`'s one call, with drafts one row after another."""
+    if drafts is None:
+        mask_filler(states, bitmask)()
         return
+    for k, state in enumerate(states):
+        state.fill(bitmask, k, drafts[k])
+
+
+def mask_filler(states: Sequence[GrammarState], bitmask: torch.Tensor) -> Callable[[], None]:
+    """A call that fills row k of the int32 [len(states), width] host `bitmask` with states[k]'s mask: one call into
+    llguidance's executor, on one thread, that holds no interpreter lock while it works (so it may run on a worker
+    thread beside the engine's Python; the states must not be used elsewhere meanwhile). Several executor threads
+    measured slower on the H200's 16-core host (bench/results/grammar_fill_modes_nvidia_h200.json)."""
     rows, width = bitmask.shape
     if bitmask.dtype != torch.int32 or bitmask.device.type != "cpu" or not bitmask.is_contiguous():
         raise ValueError(f"fill_masks writes a contiguous int32 host bitmask, not {bitmask.dtype} on {bitmask.device}")
     if rows < len(states):
         raise ValueError(f"fill_masks needs a row for each of {len(states)} states, not {rows}")
-    _executor().unsafe_compute_mask_ptr(
-        [(state._matcher, k) for k, state in enumerate(states)], bitmask.data_ptr(), width * 4, rows
+    return functools.partial(
+        _executor().unsafe_compute_mask_ptr,
+        [(state._matcher, k) for k, state in enumerate(states)],
+        bitmask.data_ptr(),
+        width * 4,
+        rows,
     )
 
 

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import functools
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
 from deepinfer_core.engine.transfer import host_staging, to_device
 from deepinfer_core.sampling.bitmask import masked_logits
-from deepinfer_core.structured.grammars import GrammarState, fill_masks
+from deepinfer_core.structured.grammars import GrammarState, fill_masks, mask_filler
 from deepinfer_core.structured.stats import StructuredOutputStats
 
 __all__ = ["GrammarMasks", "grammar_masks"]
@@ -18,7 +21,12 @@ __all__ = ["GrammarMasks", "grammar_masks"]
 class GrammarMasks:
     """A step's grammar masks, filled on the host: rows `rows` of its logits by `grammars` (drafts[k]: a verify
     step's drafted tokens before row rows[k]; its mask is the grammar's after them). `stats` gets each row's share
-    of the fill time (without drafts, one call into llguidance fills them all: `fill_masks`)."""
+    of the fill time.
+
+    Without drafts the masks fill in the background (`in_background`): one call into llguidance on a worker
+    thread, which holds no interpreter lock while it fills, so the engine does its other host work of the step
+    meanwhile; the grammars must not be used elsewhere until `apply`. With drafts they are filled before this
+    returns."""
 
     def __init__(
         self,
@@ -30,23 +38,50 @@ class GrammarMasks:
     ) -> None:
         self.rows = list(rows)
         self._host = host_staging((len(rows), grammars[0].width), torch.int32, device)
+        self._stats, self._seconds, self._filled = stats, 0.0, None
+        if drafts is None:  # every row is written whole
+            started = threading.Event()
+            self._filled = _filler().submit(self._fill, mask_filler(grammars, self._host), started)
+            # wait until the worker runs: it then needs the interpreter lock only once the masks are filled (without
+            # this it could wait for the engine's thread to give up the lock: up to sys.getswitchinterval())
+            started.wait()
+        else:
+            start = time.perf_counter()
+            self._host.fill_(-1)  # a row whose drafts its grammar refuses stays unmasked (GrammarState.fill)
+            fill_masks(grammars, self._host, drafts)
+            self._seconds = time.perf_counter() - start
+
+    @property
+    def in_background(self) -> bool:
+        """Whether the masks are being filled on the worker thread (until `apply`)."""
+        return self._filled is not None
+
+    def _fill(self, fill: Callable[[], None], started: threading.Event) -> None:
         start = time.perf_counter()
-        if drafts is not None:  # a row whose drafts its grammar refuses stays unmasked (GrammarState.fill)
-            self._host.fill_(-1)
-        fill_masks(grammars, self._host, drafts)  # without drafts every row is written whole
-        if stats is not None:
-            stats.mask_seconds.extend([(time.perf_counter() - start) / len(self.rows)] * len(self.rows))
+        started.set()
+        fill()
+        self._seconds = time.perf_counter() - start
 
     def apply(self, sampler, logits: torch.Tensor) -> torch.Tensor:
         """logits [S, V] with the rows masked (tokens a grammar does not allow next are -inf), through the
         sampler's apply_token_bitmask (a backend's kernel) where it has one. The mask reaches the device without
         the host waiting for the device's queued work (pinned memory and an asynchronous copy where the device has
         them)."""
+        if self._filled is not None:
+            self._filled.result()
+        if self._stats is not None:
+            self._stats.mask_seconds.extend([self._seconds / len(self.rows)] * len(self.rows))
         bitmask = self._host.to(logits.device, non_blocking=True)
         if len(self.rows) == logits.shape[0]:  # every row constrained: no gather and scatter of the rows
             return masked_logits(sampler, logits.clone(), bitmask)
         index = to_device(self.rows, logits.device)
         return logits.index_put((index,), masked_logits(sampler, logits[index], bitmask))
+
+
+@functools.cache
+def _filler() -> ThreadPoolExecutor:
+    """The thread that fills masks in the background (one: a step's masks are one call into llguidance)."""
+    return ThreadPoolExecutor(max_workers=1, thread_name_prefix="deepinfer-grammar-masks")
 
 
 def grammar_masks(
