@@ -21,7 +21,8 @@ __all__ = ["GrammarMasks", "grammar_masks"]
 class GrammarMasks:
     """A step's grammar masks, filled on the host: rows `rows` of its logits by `grammars` (drafts[k]: a verify
     step's drafted tokens before row rows[k]; its mask is the grammar's after them). `stats` gets each row's share
-    of the fill time.
+    of the fill time (in the background: until the worker has the interpreter lock back after the fill, an upper
+    bound; it is not on the step's path).
 
     Without drafts the masks fill in the background (`in_background`): one call into llguidance on a worker
     thread, which holds no interpreter lock while it fills, so the engine does its other host work of the step
