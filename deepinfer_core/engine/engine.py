@@ -33,13 +33,9 @@ from dataclasses import replace
 
 from deepinfer_core.backend.extensions import LogitsProcessor, Observer, RequestEvent, StepStats
 from deepinfer_core.backend.resolve import ResolvedBackend
-from deepinfer_core.engine.block_manager import (
-    BlockManager,
-    exact_replay_tokens,
-    prefix_replay_tokens,
-)
+from deepinfer_core.engine.block_manager import BlockManager, exact_replay_tokens, prefix_replay_tokens
 from deepinfer_core.engine.config import EngineConfig
-from deepinfer_core.engine.limits import context_length
+from deepinfer_core.engine.limits import context_length, tokens_needed
 from deepinfer_core.engine.logprobs import LogprobRecorder
 from deepinfer_core.engine.memory import blocks_for_memory
 from deepinfer_core.engine.observers import notify_request, notify_step
@@ -49,11 +45,7 @@ from deepinfer_core.engine.request import Delta, Request, RequestGroup, RequestO
 from deepinfer_core.engine.runner import ModelRunner
 from deepinfer_core.engine.scheduler import Scheduler
 from deepinfer_core.engine.snapshots import WindowSnapshots, first_needed
-from deepinfer_core.engine.speculative import (
-    SpeculativeStats,
-    accepted_prefix,
-    check_model,
-)
+from deepinfer_core.engine.speculative import SpeculativeStats, accepted_prefix, check_model
 from deepinfer_core.engine.step_costs import scheduler_options
 from deepinfer_core.engine.stops import find_stop, held_back
 from deepinfer_core.engine.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -157,20 +149,8 @@ class Engine:
             raise RequestError(f"request id {request_id!r} is already in use")
         text = prompt if isinstance(prompt, str) else None
         token_ids = encode_prompt(prompt, self.tokenizer, self.model.config.vocab_size)
-        limit = self.max_model_len
-        if len(token_ids) >= limit:
-            raise RequestError(
-                f"the prompt has {len(token_ids)} tokens but the model's context is {limit} tokens "
-                f"(it must leave room for at least one generated token)"
-            )
         capacity = self.blocks.num_blocks * self.blocks.block_size
-        needed = min(len(token_ids) + params.max_tokens, limit)  # the most tokens it may reach
-        if needed > capacity:
-            raise RequestError(
-                f"the request may need {needed} tokens of KV cache (prompt {len(token_ids)} + "
-                f"max_tokens {params.max_tokens}) but the cache holds {capacity}; lower max_tokens "
-                f"or give the engine more KV memory"
-            )
+        needed = tokens_needed(len(token_ids), params.max_tokens, self.max_model_len, capacity)
         if params.structured_outputs is not None:  # compiled (or found cached) before admission
             self.structured_compiler().grammar(params.structured_outputs)
         samples = self._samples(request_id, text, token_ids, params, needed)

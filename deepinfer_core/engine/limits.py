@@ -3,9 +3,9 @@ instead of starting an engine that hangs or fails later."""
 
 from __future__ import annotations
 
-from deepinfer_core.errors import DeepInferError
+from deepinfer_core.errors import DeepInferError, RequestError
 
-__all__ = ["at_least_one", "context_length", "gib_bytes"]
+__all__ = ["at_least_one", "context_length", "gib_bytes", "tokens_needed"]
 
 
 def at_least_one(name: str, value: int | None) -> None:
@@ -33,3 +33,21 @@ def context_length(max_model_len: int | None, model_limit: int) -> int:
             "or leave it unset to use the model's"
         )
     return max_model_len
+
+
+def tokens_needed(prompt_tokens: int, max_tokens: int, max_model_len: int, kv_capacity: int) -> int:
+    """The most tokens a request may reach (its prompt and max_tokens, within the context); a RequestError saying
+    what to change where its prompt leaves no room in the context or it may outgrow the whole KV cache."""
+    if prompt_tokens >= max_model_len:
+        raise RequestError(
+            f"the prompt has {prompt_tokens} tokens but the model's context is {max_model_len} tokens "
+            f"(it must leave room for at least one generated token)"
+        )
+    needed = min(prompt_tokens + max_tokens, max_model_len)
+    if needed > kv_capacity:
+        raise RequestError(
+            f"the request may need {needed} tokens of KV cache (prompt {prompt_tokens} + "
+            f"max_tokens {max_tokens}) but the cache holds {kv_capacity}; lower max_tokens "
+            f"or give the engine more KV memory"
+        )
+    return needed

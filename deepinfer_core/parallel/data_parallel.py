@@ -16,8 +16,8 @@ stopped, a world of the survivors (on their own devices) starts, the experts are
 request in flight is sent again from its prompt with the seed it had (the front draws a seed for a request that
 gives none, so the recomputed tokens are the same); what the client already received is not sent twice.
 
-Not yet: several nodes, speculative decoding across ranks (a drafter's MoE layers would need the lockstep
-too), device graphs across ranks, a rank's failure restarting on the same number of devices.
+Not yet: a restart across nodes (parallel/nodes.py), speculative decoding across ranks (a drafter's MoE layers
+would need the lockstep too), device graphs across ranks.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ from typing import Any
 
 from deepinfer_core.engine.request import FailedRequest
 from deepinfer_core.errors import DeepInferError, RequestError
+from deepinfer_core.parallel.deliveries import Deliveries, DivergedRecomputation
 from deepinfer_core.parallel.rank_pipes import PipeOutbox, RankPipes, free_port
 from deepinfer_core.parallel.rank_process import rank_main
 from deepinfer_core.parallel.rank_reports import MoELoad, RankReport, RanksBlocks, RanksScheduler
@@ -77,7 +78,7 @@ class DataParallelEngine:
             self._hub, self._hub_address = Hub(host, port, size, config), (host, port)
         self._seeds = random.Random(options.get("seed"))
         self._requests: dict[str, tuple] = {}  # in flight: (prompt, params as sent)
-        self._delivered: dict[str, dict[int, tuple[int, int]]] = {}  # per sample: (tokens, characters) passed on
+        self._delivered = Deliveries()  # what was passed on of each request
         self._owner: dict[str, int] = {}
         self._pending: list = []  # outputs that arrived while waiting for something else, and FailedRequests
         self._moe_load = MoELoad()
@@ -201,7 +202,7 @@ class DataParallelEngine:
     def abort(self, request_id: str) -> None:
         rank = self._owner.pop(request_id, None)
         self._requests.pop(request_id, None)
-        self._delivered.pop(request_id, None)
+        self._delivered.forget(request_id)
         self._resends.pop(request_id, None)
         if rank is not None:
             self._forget(rank, request_id)
@@ -229,7 +230,7 @@ class DataParallelEngine:
         if rank is not None:
             self._forget(rank, request_id)
         self._requests.pop(request_id, None)
-        self._delivered.pop(request_id, None)
+        self._delivered.forget(request_id)
         self._resends.pop(request_id, None)
         self._pending.append(FailedRequest(request_id, error))
 
@@ -281,30 +282,15 @@ class DataParallelEngine:
         return []
 
     def _undelivered(self, output):
-        """`output` less what was passed on before (a request recomputed after a lost rank reports its tokens
-        again from the first); None when nothing of it is new. A recomputation whose tokens differ from those
-        passed on (the restarted world computes in another order; only batch-invariant backends promise the same
-        tokens) fails the request rather than splice two continuations."""
-        delivered = self._delivered.setdefault(output.request_id, {})
-        samples = []
-        for sample in output.outputs:
-            tokens, chars = delivered.get(sample.index, ((), 0))
-            if sample.token_ids[: len(tokens)] != tokens[: len(sample.token_ids)]:
-                self._fail(output.request_id, DeepInferError(
-                    "the engine lost a rank while running this request and its recomputation diverged from the "
-                    "tokens already sent; retry the request"))  # fmt: skip
-                return None
-            if len(sample.token_ids) <= len(tokens) and sample.finish_reason is None:
-                continue
-            if len(sample.token_ids) - len(sample.new_token_ids) < len(tokens):  # partly passed on already
-                sample = replace(sample, new_token_ids=sample.token_ids[len(tokens) :], new_text=sample.text[chars:])
-            delivered[sample.index] = (sample.token_ids, chars + len(sample.new_text))
-            samples.append(sample)
-        if output.finished:
-            del self._delivered[output.request_id]
-        if not samples and not output.finished:
+        """`output` less what was passed on before (`Deliveries.new_part`); a recomputation that diverged from the
+        tokens passed on fails its request."""
+        try:
+            return self._delivered.new_part(output)
+        except DivergedRecomputation:
+            self._fail(output.request_id, DeepInferError(
+                "the engine lost a rank while running this request and its recomputation diverged from the "
+                "tokens already sent; retry the request"))  # fmt: skip
             return None
-        return output if len(samples) == len(output.outputs) else replace(output, outputs=samples)
 
     def _forget(self, rank: int, request_id: str) -> None:
         self._loads[rank].forget(request_id)
