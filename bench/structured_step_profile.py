@@ -23,7 +23,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import machine, versions  # noqa: E402
-from structured_overhead import CONSTRAINTS, write_v4_width  # noqa: E402
+from structured_overhead import CONSTRAINTS, workload, write_v4_width  # noqa: E402
 
 # the engine's functions whose cumulative time is reported (name as cProfile's function, module path fragment)
 WATCHED = (
@@ -45,17 +45,6 @@ WATCHED = (
     ("_detokenize", "engine/engine.py"),
     ("build", "sampling/"),
 )
-
-
-def requests(batch: int, max_tokens: int, constraint: dict | None):
-    from deepinfer import SamplingParams, StructuredOutputsParams
-
-    wanted = StructuredOutputsParams(**constraint) if constraint else None
-    params = [
-        SamplingParams(temperature=1.0, seed=i, max_tokens=max_tokens, ignore_eos=True, structured_outputs=wanted)
-        for i in range(batch)
-    ]
-    return [f"Request {i}: write something." for i in range(batch)], params
 
 
 def device_busy(llm, prompts, params) -> dict:
@@ -117,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
         llm = LLM(str(folder), accelerator=args.accelerator, dtype="bfloat16", max_num_seqs=args.batch, progress=False)
     rows = []
     for name, constraint in [("unconstrained", None), *CONSTRAINTS.items()]:
-        prompts, params = requests(args.batch, args.max_tokens, constraint)
+        prompts, params = workload(args.batch, args.max_tokens, constraint)
         llm.generate(prompts, params, use_tqdm=False)  # warm: graphs, grammar, caches
         times = []
         for _ in range(3):
