@@ -10,7 +10,10 @@ none, at several batch sizes, in one run; the per-token mask time per request fr
 --model demo (the default) is the embedded demo model: on a GPU its steps are bound by the host's launches, so
 every microsecond of grammar work on the host shows in full. --model v4-width writes gpu_decode.py's V4-width
 checkpoint (4 layers at V4 Flash's widths, 32 experts, random bf16 weights, the demo's V4 tokenizer) to a
-temporary folder and serves it: steps bound by the device, where the engine's pipelining can hide the host's
+temporary folder and serves it. At batch 64 even its 4-layer steps turned out bound by the host (the H200's kernels
+busy a third of the wall time: bench/results/structured_step_profile_v4_width_nvidia_h200.json); --layers N
+serves N such layers (V4 Flash has 43; ~1.9 GB a layer in bf16, written to the temporary folder first: mind the
+disk), whose steps the device bounds, as a served model's are, so the engine's pipelining can hide the host's
 grammar work behind the step in flight.
 
 Every request decodes exactly max_tokens tokens (ignore_eos). The regex `[a-z ]+` may end, and so may the JSON
@@ -104,20 +107,36 @@ def run_batch(llm, batch: int, max_tokens: int, repeats: int) -> dict[str, dict]
     return {name: summary(times[name], *last[name], configs[name]) for name in configs}
 
 
-def write_v4_width(folder: Path, device: str) -> Path:
-    """gpu_decode.py's V4-width DeepSeek-V4 config with random weights (seed 0, drawn in bf16 on `device`) and
-    the demo model's tokenizer, as a Hugging Face-format folder."""
+def v4_width_config(layers: int = 4) -> dict:
+    """gpu_decode.py's V4-width DeepSeek-V4 config with `layers` layers: its 4 layers' attention kinds repeated,
+    the first MoE layer hash-routed as there."""
+    from _gpu_v4 import CONFIGS
+
+    raw = dict(CONFIGS["v4"][0])
+    kinds = raw["layer_types"]
+    raw.update(
+        num_hidden_layers=layers,
+        layer_types=[kinds[i % len(kinds)] for i in range(layers)],
+        mlp_layer_types=["hash_moe"] + ["moe"] * (layers - 1),
+    )
+    return raw
+
+
+def write_v4_width(folder: Path, device: str, layers: int = 4) -> Path:
+    """`v4_width_config(layers)` with random weights (seed 0, drawn in bf16 on `device`) and the demo model's
+    tokenizer, as a Hugging Face-format folder."""
     import shutil
 
     import torch
-    from _gpu_v4 import CONFIGS, FAMILIES, random_weights
+    from _gpu_v4 import FAMILIES, random_weights
     from safetensors.torch import save_file
 
     from deepinfer_core.engine.tokenizer import demo_tokenizer_dir
 
-    raw, family = CONFIGS["v4"][0], FAMILIES["v4"]
+    raw, family = v4_width_config(layers), FAMILIES["v4"]
     weights = random_weights(family, family.parse(raw), torch.device(device), torch.bfloat16, seed=0)
     save_file({name: t.contiguous().cpu() for name, t in weights.items()}, str(folder / "model.safetensors"))
+    del weights
     (folder / "config.json").write_text(json.dumps({**raw, "torch_dtype": "bfloat16"}))
     for path in demo_tokenizer_dir().iterdir():
         if path.is_file() and path.suffix != ".py":
@@ -132,6 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3, help="timed runs of each configuration (the median is kept)")
     parser.add_argument("--model", choices=("demo", "v4-width"), default="demo")
+    parser.add_argument("--layers", type=int, default=4, help="--model v4-width's layer count")
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
     from deepinfer import LLM
@@ -141,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
         llm = LLM(accelerator=args.accelerator, max_num_seqs=64, progress=False)
     else:
         device = "cuda" if args.accelerator != "cpu" else "cpu"
-        folder = write_v4_width(Path(scratch.name), device)
+        folder = write_v4_width(Path(scratch.name), device, args.layers)
         llm = LLM(str(folder), accelerator=args.accelerator, dtype="bfloat16", max_num_seqs=64, progress=False)
     rows = []
     for batch in [int(b) for b in args.batches.split(",")]:
@@ -172,6 +192,7 @@ def main(argv: list[str] | None = None) -> int:
         "backend": llm.backend.info.name,
         "device": llm.backend.device.name,
         "model": llm.model_name,
+        "layers": args.layers if args.model == "v4-width" else None,
         "max_tokens": args.max_tokens,
         "constraints": CONSTRAINTS,
         "method": f"one LLM ({args.model}); per batch the same prompts and seeds unconstrained and constrained, "

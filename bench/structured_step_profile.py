@@ -94,6 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--model", choices=("demo", "v4-width"), default="demo")
+    parser.add_argument("--layers", type=int, default=4, help="--model v4-width's layer count")
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
     from deepinfer import LLM
@@ -102,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.model == "demo":
         llm = LLM(accelerator=args.accelerator, max_num_seqs=args.batch, progress=False)
     else:
-        folder = write_v4_width(Path(scratch.name), "cuda" if args.accelerator != "cpu" else "cpu")
+        folder = write_v4_width(Path(scratch.name), "cuda" if args.accelerator != "cpu" else "cpu", args.layers)
         llm = LLM(str(folder), accelerator=args.accelerator, dtype="bfloat16", max_num_seqs=args.batch, progress=False)
     rows = []
     for name, constraint in [("unconstrained", None), *CONSTRAINTS.items()]:
@@ -129,6 +130,7 @@ def main(argv: list[str] | None = None) -> int:
         "backend": llm.backend.info.name,
         "device": llm.backend.device.name,
         "model": args.model,
+        "layers": args.layers if args.model == "v4-width" else None,
         "batch": args.batch,
         "max_tokens": args.max_tokens,
         "constraints": CONSTRAINTS,
