@@ -20,6 +20,7 @@ import time
 from datetime import timedelta
 
 from deepinfer_core.errors import DeepInferError
+from deepinfer_core.parallel.rank_admission import GrammarAdmission
 
 __all__ = ["process_group_kind", "rank_main"]
 
@@ -93,9 +94,12 @@ def _serve(engine, inbox, outbox, rank: int, control, expert_parallel: bool, bal
     lockstep = MoELockstep(engine.model) if expert_parallel else None
     engine.runner.lockstep = lockstep
     layers = moe_layers(engine.model)
+    admission = GrammarAdmission(engine)
     stopping = False
     while True:
-        stopping |= _drain(engine, inbox, outbox, rank, balancer)
+        stopping |= _drain(engine, inbox, outbox, rank, balancer, admission)
+        for request_id, why in admission.admit():
+            outbox.put(("rejected", rank, request_id, why))
         flags = torch.tensor([int(engine.has_unfinished()), int(stopping)])
         dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=control)
         if flags[1]:
@@ -112,8 +116,9 @@ def _serve(engine, inbox, outbox, rank: int, control, expert_parallel: bool, bal
         outbox.put(("outputs", rank, outputs, report_of(engine, layers)))
 
 
-def _drain(engine, inbox, outbox, rank: int, balancer) -> bool:
-    """Take every message waiting; True when asked to stop."""
+def _drain(engine, inbox, outbox, rank: int, balancer, admission: GrammarAdmission) -> bool:
+    """Take every message waiting; True when asked to stop. A request with a structured-output grammar waits in
+    `admission` until the grammar is compiled (off this loop: the ranks step in lockstep)."""
     while True:
         try:
             message = inbox.get_nowait()
@@ -122,12 +127,15 @@ def _drain(engine, inbox, outbox, rank: int, balancer) -> bool:
         if message[0] == "stop":
             return True
         if message[0] == "abort":
-            engine.abort(message[1])
+            if not admission.abort(message[1]):
+                engine.abort(message[1])
         elif message[0] == "stats":
             stats = {"rebalances": 0, "balancedness": []}
             if balancer is not None:
                 stats = {"rebalances": balancer.rebalances, "balancedness": balancer.balancedness}
             outbox.put(("stats", rank, stats))
+        elif message[0] == "add" and admission.needs(message[3]):
+            admission.hold(*message[1:4])
         elif message[0] == "add":
             try:
                 engine.add_request(message[1], message[2], message[3])
