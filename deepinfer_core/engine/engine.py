@@ -237,7 +237,11 @@ class Engine:
             if previous is not None:  # while the launched step's structured-output masks fill, if it has any
                 outputs = self._finalize(previous)
             if launched is not None:
-                launched.issue()
+                try:
+                    launched.issue()
+                except BaseException:
+                    self._in_flight = None  # its sampling failed: the next step must not take its tokens
+                    raise
         self.scheduler.record_step_time(time.perf_counter() - started)  # adaptive verification learns from it
         return outputs
 

@@ -1,8 +1,9 @@
 """A rank's requests that wait for their structured-output grammar: compiled on a worker thread, then admitted.
 
-The ranks step in lockstep, so a grammar compiled on one rank's loop (milliseconds for a schema; llguidance's
-tokenizer set-up, about 2 s, at the first) would hold every rank. The front compiled it already to check it;
-each rank compiles it again for its own engine, here, off its loop.
+The ranks step in lockstep, so a grammar compiled on one rank's loop (milliseconds for a schema) would hold every
+rank. The front compiled it already to check it; each rank compiles it again for its own engine, here, beside its
+loop. Not every part of a compile lets the loop run: llguidance holds the interpreter lock while it reads the
+tokenizer (about 1-2 s, once, at a rank's first structured request) and for parts of a large schema's compile.
 """
 
 from __future__ import annotations
@@ -34,8 +35,11 @@ class GrammarAdmission:
         self._waiting[request_id] = (compiled, (request_id, prompt, params))
 
     def abort(self, request_id: str) -> bool:
-        """Forget a held request; False when none is held by that id."""
-        return self._waiting.pop(request_id, None) is not None
+        """Forget a held request (its compile is dropped if it has not started); False when none is held by that id."""
+        held = self._waiting.pop(request_id, None)
+        if held is not None:
+            held[0].cancel()
+        return held is not None
 
     def admit(self) -> list[tuple[str, str]]:
         """Add every held request whose grammar is compiled to the engine; (request id, why) of each refused (its

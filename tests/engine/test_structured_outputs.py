@@ -144,3 +144,32 @@ def test_speculative_decoding_masks_every_draft_position(one_torch_thread, tempe
         assert stats.num_accepted_tokens > 10
     text = LLM(**SMALL).tokenizer.decode(list(plain[0]))
     assert re.fullmatch("(ab)+c?", text), text  # greedy repeats "ab" up to max_tokens; seeded ends with "c"
+
+
+def test_a_failed_sampling_leaves_no_broken_step_in_flight(one_torch_thread, monkeypatch):
+    """A step whose sampling fails (issued after the previous step's finalize, its masks filled in the background)
+    raises once; the engine then goes on: the steps after it run, and a request added afterwards completes."""
+    from deepinfer_core.structured.masks import GrammarMasks
+
+    llm = LLM(**SMALL, async_scheduling=True)
+    engine = llm.engine
+    original, calls, broken = GrammarMasks.apply, [], []
+
+    def failing(masks, sampler, logits):  # the third step's masks fail, as often as they are applied
+        calls.append(1)
+        if len(calls) == 3 or masks in broken:
+            broken.append(masks)
+            raise RuntimeError("sampling failed")
+        return original(masks, sampler, logits)
+
+    monkeypatch.setattr(GrammarMasks, "apply", failing)
+    engine.add_request("first", "Describe a person as JSON:", params(0, json=PERSON))
+    with pytest.raises(RuntimeError, match="sampling failed"):
+        while engine.has_unfinished():
+            engine.step()
+    engine.abort("first")
+    engine.add_request("second", "Give me a record.", params(1, json=PERSON))
+    finished = []
+    while engine.has_unfinished():
+        finished += [o for o in engine.step() if o.finished]
+    assert [o.request_id for o in finished] == ["second"] and person_ok(finished[0].outputs[0].text)
