@@ -171,3 +171,22 @@ def bound(sizes: dict, copy: dict, matmul: dict, workload: dict) -> dict:
         "bound_output_tokens_per_s_estimate": batch * new / max(memory_s, compute_s),
         "memory_bound_step_seconds_estimate": weight_bytes_per_step / bw,
     }
+
+
+def write_report(out: str | Path, benchmark: str, argv: list[str] | None, fields: dict) -> dict:
+    """Write a benchmark's JSON report to `out`: its name, the command that ran it (`argv`: main's, None for the
+    process's own), the time, the machine and package versions, then `fields`. Returns the report."""
+    import sys
+
+    script = f"bench/{benchmark}.py"
+    report = {
+        "benchmark": benchmark,
+        "command": " ".join(["python", script, *(sys.argv[1:] if argv is None else argv)]),
+        "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "machine": machine(),
+        "versions": versions(),
+        **fields,
+    }
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    Path(out).write_text(json.dumps(report, indent=2) + "\n")
+    return report

@@ -12,7 +12,6 @@ The tokens fed are drawn from each row's mask (seeded), so every state is one th
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import statistics
 import sys
@@ -20,7 +19,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import machine, versions  # noqa: E402
+from _common import write_report  # noqa: E402
 
 CONSTRAINTS = {
     "regex": {"regex": "[a-z ]+"},
@@ -103,22 +102,20 @@ def main(argv: list[str] | None = None) -> int:
             row.update(measure(compiler, StructuredOutputsParams(**constraint), matchers, args.batch, args.steps))
             rows.append(row)
             print(name, matchers, {k: round(v["ms_median"], 3) for k, v in row.items() if isinstance(v, dict)})
-    report = {
-        "benchmark": "grammar_fill_modes",
-        "command": " ".join(["python", "bench/grammar_fill_modes.py", *(argv if argv is not None else sys.argv[1:])]),
-        "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "machine": machine(),
-        "versions": versions(),
-        "batch": args.batch,
-        "steps": args.steps,
-        "constraints": CONSTRAINTS,
-        "method": "per step of `batch` sequences: each fill method once in a shuffled order over the same states "
-        "(ms for the whole batch), then one token each fed (per row on even steps, the executor's "
-        "consume_token_par on odd ones); median and mean over the steps",
-        "rows": rows,
-    }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+    write_report(
+        args.out,
+        "grammar_fill_modes",
+        argv,
+        {
+            "batch": args.batch,
+            "steps": args.steps,
+            "constraints": CONSTRAINTS,
+            "method": "per step of `batch` sequences: each fill method once in a shuffled order over the same states "
+            "(ms for the whole batch), then one token each fed (per row on even steps, the executor's "
+            "consume_token_par on odd ones); median and mean over the steps",
+            "rows": rows,
+        },
+    )
     return 0
 
 

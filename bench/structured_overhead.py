@@ -36,7 +36,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import machine, versions  # noqa: E402
+from _common import write_report  # noqa: E402
 
 CONSTRAINTS = {
     "regex": {"regex": "[a-z ]+"},
@@ -183,27 +183,25 @@ def main(argv: list[str] | None = None) -> int:
                 f"{constrained['mask_us_p90']:.0f} us p90 per token per request",
                 flush=True,
             )
-    report = {
-        "benchmark": "structured_overhead",
-        "command": " ".join(["python", "bench/structured_overhead.py", *(argv if argv is not None else sys.argv[1:])]),
-        "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "machine": machine(),
-        "versions": versions(),
-        "backend": llm.backend.info.name,
-        "device": llm.backend.device.name,
-        "model": llm.model_name,
-        "layers": args.layers if args.model == "v4-width" else None,
-        "max_tokens": args.max_tokens,
-        "constraints": CONSTRAINTS,
-        "method": f"one LLM ({args.model}); per batch the same prompts and seeds unconstrained and constrained, "
-        "ignore_eos; each configuration run once untimed, then --repeats rounds of one timed run of each "
-        "(interleaved), the median kept; "
-        "mask times are the engine's per constrained row of a step",
-        "targets": "mask < 50 us per token per request at batch 64; throughput lost <= 10% (issue #19)",
-        "rows": rows,
-    }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+    write_report(
+        args.out,
+        "structured_overhead",
+        argv,
+        {
+            "backend": llm.backend.info.name,
+            "device": llm.backend.device.name,
+            "model": llm.model_name,
+            "layers": args.layers if args.model == "v4-width" else None,
+            "max_tokens": args.max_tokens,
+            "constraints": CONSTRAINTS,
+            "method": f"one LLM ({args.model}); per batch the same prompts and seeds unconstrained and constrained, "
+            "ignore_eos; each configuration run once untimed, then --repeats rounds of one timed run of each "
+            "(interleaved), the median kept; "
+            "mask times are the engine's per constrained row of a step",
+            "targets": "mask < 50 us per token per request at batch 64; throughput lost <= 10% (issue #19)",
+            "rows": rows,
+        },
+    )
     return 0
 
 

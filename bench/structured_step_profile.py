@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import cProfile
-import json
 import pstats
 import sys
 import tempfile
@@ -22,7 +21,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import machine, versions  # noqa: E402
+from _common import write_report  # noqa: E402
 from structured_overhead import CONSTRAINTS, workload, write_v4_width  # noqa: E402
 
 # the engine's functions whose cumulative time is reported (name as cProfile's function, module path fragment)
@@ -121,26 +120,24 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(row)
         busy = row["torch_profiler"]["device_busy_fraction"]
         print(f"{name}: {row['ms_per_step']:.2f} ms a step, device busy {busy:.0%} under torch.profiler", flush=True)
-    report = {
-        "benchmark": "structured_step_profile",
-        "command": " ".join(["python", "bench/structured_step_profile.py", *(sys.argv[1:] if argv is None else argv)]),
-        "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "machine": machine(),
-        "versions": versions(),
-        "backend": llm.backend.info.name,
-        "device": llm.backend.device.name,
-        "model": args.model,
-        "layers": args.layers if args.model == "v4-width" else None,
-        "batch": args.batch,
-        "max_tokens": args.max_tokens,
-        "constraints": CONSTRAINTS,
-        "method": "per constraint: a warm-up run, the median of 3 timed runs (ms_per_step = run / max_tokens), one "
-        "run under torch.profiler (device busy = summed device event time / wall), one under cProfile "
-        "(cumulative ms per step of the engine's functions; top functions by own time)",
-        "rows": rows,
-    }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+    write_report(
+        args.out,
+        "structured_step_profile",
+        argv,
+        {
+            "backend": llm.backend.info.name,
+            "device": llm.backend.device.name,
+            "model": args.model,
+            "layers": args.layers if args.model == "v4-width" else None,
+            "batch": args.batch,
+            "max_tokens": args.max_tokens,
+            "constraints": CONSTRAINTS,
+            "method": "per constraint: a warm-up run, the median of 3 timed runs (ms_per_step = run / max_tokens), one "
+            "run under torch.profiler (device busy = summed device event time / wall), one under cProfile "
+            "(cumulative ms per step of the engine's functions; top functions by own time)",
+            "rows": rows,
+        },
+    )
     return 0
 
 
