@@ -73,14 +73,15 @@ class ReferenceOps:
                 raise ValueError("hash routing needs expert_ids (the token id -> experts table's rows)")
             choice = None
         elif config.method != "greedy" and config.num_groups > 1:
-            grouped = choice.view(tokens, config.num_groups, -1)  # [T, G, E/G]
+            experts = choice.shape[1]  # sizes spelled out: an idle forward has no tokens
+            grouped = choice.view(tokens, config.num_groups, experts // config.num_groups)  # [T, G, E/G]
             if config.method == "noaux_tc":
                 group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)  # [T, G]
             else:
                 group_scores = grouped.max(dim=-1).values
             kept_groups = _descending(group_scores, config.topk_groups)  # [T, topk_groups], ties: lower group
             group_mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, kept_groups, True)
-            expert_mask = group_mask[:, :, None].expand_as(grouped).reshape(tokens, -1)
+            expert_mask = group_mask[:, :, None].expand_as(grouped).reshape(tokens, experts)
             choice = choice.masked_fill(~expert_mask, float("-inf"))
         ids = expert_ids.long() if choice is None else _descending(choice, config.top_k)  # [T, K], ties: lower id
         weights = scores.gather(1, ids)  # weighted by the raw score, not the bias-corrected one

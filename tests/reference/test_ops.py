@@ -285,3 +285,12 @@ def test_expert_ffn_matches_per_row_loop():
     out = OPS.expert_ffn(x, tokens_per_expert, w13, w2)
     assert out.shape == (6, D) and out.dtype == x.dtype
     torch.testing.assert_close(out, expected.float())
+
+
+@pytest.mark.parametrize("method", ["group_limited_greedy", "noaux_tc"])
+def test_grouped_routing_of_no_tokens_is_empty(method):
+    """A rank's idle forward routes no tokens through its MoE layers (parallel/lockstep.py)."""
+    config = RoutingConfig(num_experts=8, top_k=2, method=method, num_groups=2, topk_groups=1)
+    bias = torch.zeros(8) if method == "noaux_tc" else None
+    weights, ids = OPS.moe_route(torch.empty(0, 8), config, bias)
+    assert weights.shape == ids.shape == (0, 2)
