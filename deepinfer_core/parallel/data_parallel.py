@@ -16,8 +16,9 @@ stopped, a world of the survivors (on their own devices) starts, the experts are
 request in flight is sent again from its prompt with the seed it had (the front draws a seed for a request that
 gives none, so the recomputed tokens are the same); what the client already received is not sent twice.
 
-Not yet: a restart across nodes (parallel/nodes.py), speculative decoding across ranks (a drafter's MoE layers
-would need the lockstep too), device graphs across ranks.
+Across nodes (parallel/nodes.py) the same: each headless node is told which of its ranks make the new world, in
+which order, and starts them on the devices they had. Not yet: speculative decoding across ranks (a drafter's MoE
+layers would need the lockstep too), device graphs across ranks.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from deepinfer_core.parallel.deliveries import Deliveries, DivergedRecomputation
 from deepinfer_core.parallel.rank_pipes import PipeOutbox, RankPipes, free_port
 from deepinfer_core.parallel.rank_process import rank_main
 from deepinfer_core.parallel.rank_reports import MoELoad, RankReport, RanksBlocks, RanksScheduler
+from deepinfer_core.parallel.restarts import RankRecovery
 from deepinfer_core.parallel.routing import RankLoad, choose_rank
 
 __all__ = ["DataParallelEngine"]
@@ -44,11 +46,9 @@ __all__ = ["DataParallelEngine"]
 log = logging.getLogger(__name__)
 
 START_TIMEOUT_S = 600.0  # a rank loading its weights
-LOSS_SETTLE_S = 0.5  # after a rank fails or ends, how long the others get to notice and report
-MAX_RESENDS = 2  # restarts a request may be sent again after, before it fails
 
 
-class DataParallelEngine:
+class DataParallelEngine(RankRecovery):
     """The front of `size` engine ranks: Engine's request interface (add_request, abort, step, has_unfinished).
 
     options: the LLM keyword arguments every rank builds its engine with (model, accelerator, dtype, ...).
@@ -75,7 +75,10 @@ class DataParallelEngine:
             self._dist_address = f"tcp://{host}:{port + 1}"
             config = {"size": size, "dist_address": self._dist_address, "options": options,
                       "expert_parallel": expert_parallel, "eplb": eplb}  # fmt: skip
-            self._hub, self._hub_address = Hub(host, port, size, config), (host, port)
+            self._hub, self._hub_address = Hub(host, port, config), (host, port)
+        self._generation = 0  # worlds started before this one (a restart starts a new one)
+        self._nodes: dict[int, int] = {}  # headless node (its first rank at the start) -> its rank count then
+        self._survivors: list[int] = []  # after a restart: the old world's ranks that make the new one, in order
         self._seeds = random.Random(options.get("seed"))
         self._requests: dict[str, tuple] = {}  # in flight: (prompt, params as sent)
         self._delivered = Deliveries()  # what was passed on of each request
@@ -114,8 +117,10 @@ class DataParallelEngine:
         else:
             from deepinfer_core.parallel.nodes import HubLink
 
-            self._outbox, self._inboxes = self._hub.outbox, self._hub.inboxes
-            address, links = self._dist_address, [(HubLink(*self._hub_address, r), None) for r in self._devices]
+            self._inboxes, self._outbox = self._hub.world(self._generation, size)
+            host = self._hub_address[0]  # a restarted world meets at a port of its own (rank 0 is on this node)
+            address = self._dist_address if self._generation == 0 else f"tcp://{host}:{free_port(host)}"
+            links = [(HubLink(*self._hub_address, rank, self._generation), None) for rank in range(len(self._devices))]
         self._processes = [
             context.Process(
                 target=rank_main,
@@ -130,6 +135,9 @@ class DataParallelEngine:
         if self._hub is None:
             for _, outbox in links:
                 outbox.writer.close()  # the rank holds it now; once the rank ends, its pipe reads EOF
+        elif self._generation > 0:  # every headless node starts its part of the new world
+            for node in self._nodes:
+                self._hub.queue("control", node).put(("restart", self._generation, size, address, self._survivors))
         self._loads = [RankLoad() for _ in range(size)]
         self._reports = [RankReport() for _ in range(size)]
         self.rank_info: list[dict] = [{}] * size
@@ -155,6 +163,11 @@ class DataParallelEngine:
             elif message[0] == "failed":
                 self.shutdown()
                 raise DeepInferError(f"engine rank {message[1]} could not start: {message[2]}")
+            elif message[0] == "ended":  # a rank process on another node
+                self.shutdown()
+                raise DeepInferError(f"engine rank {message[1]} ended while starting (exit code {message[2]})")
+            elif message[0] == "node":  # a headless node's hello: its first rank and rank count
+                self._nodes[message[1]] = message[2]
 
     # ---- one engine to the server -----------------------------------------------------------------
 
@@ -279,6 +292,8 @@ class DataParallelEngine:
             return []
         if kind == "failed":
             self._recover({rank: message[2]})
+        elif kind == "ended":  # a rank process on another node ended unasked (its node says so)
+            self._recover({}, {rank: message[2]})
         return []
 
     def _undelivered(self, output):
@@ -307,86 +322,27 @@ class DataParallelEngine:
                 self._recover({})
             return None
 
-    def _lost_ranks(self, failed: dict[int, str]) -> tuple[list[int], str, bool]:
-        """(the lost ranks, why, whether their processes ended without a word), once one failed (`failed`: rank ->
-        the reason it reported) or ended. A lost rank takes its peers' collectives down with it, and they report
-        failing too: so the ranks whose processes ended without a word (killed, crashed) are the lost ones; where
-        there are none, the first that reported (an error of its own)."""
-        time.sleep(LOSS_SETTLE_S)
-        while True:
-            try:
-                message = self._outbox.get_nowait()
-            except queue.Empty:
-                break
-            if message[0] == "failed":
-                failed.setdefault(message[1], message[2])
-        silent = [r for r, p in enumerate(self._processes) if not p.is_alive() and r not in failed]
-        if silent:
-            codes = ", ".join(str(self._processes[r].exitcode) for r in silent)
-            return silent, f"process ended without a word (exit code {codes})", True
-        first = next(iter(failed))
-        return [first], failed[first], False
-
-    def _recover(self, failed: dict[int, str]) -> None:
-        """Restart after a lost rank (`_lost_ranks`): stop every rank process and start a world again, then send
-        the requests in flight again from their prompts. A rank that died without a word (killed, crashed) takes
-        its device with it: the world shrinks, the experts are placed over the others. A rank that failed with an
-        error of its own keeps its device, and the requests it ran fail with that error instead of being sent
-        again (they may be what failed it). No request is sent again more than MAX_RESENDS times."""
-        if self._failed is not None:
-            return None
-        started = time.monotonic()
-        lost, reason, silent = self._lost_ranks(dict(failed))
-        if self._hub is not None:
-            return self._fatal(f"engine rank(s) {lost} lost ({reason}); ranks on several nodes do not restart on "
-                               "their own yet: restart every node")  # fmt: skip
-        devices = [d for rank, d in enumerate(self._devices) if rank not in lost] if silent else self._devices
-        log.error("engine rank(s) %s lost: %s; restarting on %d rank(s)", lost, reason, len(devices))
-        self.shutdown(wait_s=0.0)  # the others may be blocked in a collective with the lost rank
-        if not devices:
-            return self._fatal(f"every engine rank was lost (the last: {reason}); restart the server")
-        held = {request_id for request_id, rank in self._owner.items() if rank in lost}
-        for request_id in list(self._requests):
-            self._resends[request_id] = self._resends.get(request_id, 0) + 1
-            if (not silent and request_id in held) or self._resends[request_id] > MAX_RESENDS:
-                self._fail(request_id, DeepInferError(f"an engine rank failed while running this request: {reason}"))
-        self._devices, self._world = devices, len(devices)
-        self._owner.clear()
-        self._close_queues()
-        try:
-            self._start()
-        except DeepInferError as err:
-            return self._fatal(f"the engine could not restart after losing rank(s) {lost}: {err}")
-        for request_id, (prompt, params) in self._requests.items():
-            self._send(request_id, prompt, params)
-        seconds = time.monotonic() - started
-        self.restarts.append({"lost": lost, "reason": reason, "world_size": self.size, "seconds": seconds,
-                              "requeued": len(self._requests)})  # fmt: skip
-        log.warning(
-            "engine restarted with %d rank(s) in %.2f s; %d request(s) re-queued (recomputed from their prompts)",
-            self.size, seconds, len(self._requests),
-        )  # fmt: skip
-
-    def _fatal(self, reason: str) -> None:
-        """No rank is left to serve: every request in flight fails with `reason` (FailedRequests in the next
-        step's outputs), and every new one is refused with it."""
-        log.error("the engine cannot go on: %s", reason)
-        self.shutdown(wait_s=0.0)
-        self._failed = reason
-        for request_id in list(self._requests):
-            self._fail(request_id, DeepInferError(reason))
-
     def _close_queues(self) -> None:
         """Let go of a stopped world's queues (their pipes and feeder threads)."""
         if self._hub is not None:
-            return
+            return  # the hub drops a generation's queues once the next starts
         for q in self._inboxes:
             q.cancel_join_thread()
             q.close()
         self._outbox.close()
 
     def shutdown(self, wait_s: float = 10.0) -> None:
-        """Stop every rank (idempotent): asked to stop, then killed after `wait_s`."""
+        """Stop every rank (idempotent): asked to stop, then killed after `wait_s`; every headless node told to
+        stop."""
+        self._stop_ranks(wait_s)
+        if getattr(self, "_hub", None) is not None:
+            for node in self._nodes:
+                self._hub.queue("control", node).put(("stop",))
+
+    def _stop_ranks(self, wait_s: float) -> None:
+        """Stop this node's rank processes: asked to stop (every rank: any may be gone), then killed after
+        `wait_s`. A headless node's ranks stop with the others (they agree on stopping each step) or by its
+        node's hand."""
         if wait_s > 0:  # one rank told is enough (the ranks agree on stopping each step), but any may be gone
             for rank, inbox in enumerate(getattr(self, "_inboxes", [])):
                 if rank >= len(self._processes) or self._processes[rank].is_alive():

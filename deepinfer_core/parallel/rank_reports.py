@@ -9,6 +9,7 @@ server's admission limits and /metrics read), and `MoELoad` turns the rows into 
 
 from __future__ import annotations
 
+import os
 import threading
 from dataclasses import dataclass, field
 
@@ -33,6 +34,7 @@ def rank_info(llm) -> dict:
     engine, backend = llm.engine, llm.backend
     path = llm.model_path
     return {
+        "pid": os.getpid(),
         "backend": backend.info.name,
         "backend_description": backend.info.description,
         "device": backend.device.name,

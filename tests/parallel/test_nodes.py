@@ -15,6 +15,7 @@ import pytest
 
 from deepinfer import LLM, SamplingParams
 from deepinfer_core.errors import DeepInferError
+from deepinfer_core.parallel.nodes import restarted_ranks
 
 PROMPTS = [[5 + i, 17, 33 + 2 * i, 9, 60 - i] for i in range(4)]
 
@@ -70,3 +71,63 @@ def test_a_headless_node_joins_the_heads_world(tiny_checkpoint, tmp_path):
 def test_node_flags_are_checked():
     with pytest.raises(DeepInferError, match="data_parallel_size_local must be 1 to 2"):
         LLM(accelerator="rowwise_cpu", data_parallel_size=2, data_parallel_size_local=3)
+
+
+def test_restarted_ranks_keep_their_devices_in_the_new_order():
+    # a node ran old ranks 1 and 2 on its devices 0 and 1; rank 1 was lost: old rank 2 is rank 1 now, on device 1
+    assert restarted_ranks({1: 0, 2: 1}, [0, 2]) == {1: 1}
+    assert restarted_ranks({1: 0, 2: 1}, [0, 1, 2]) == {1: 0, 2: 1}  # an error of a rank's own: every rank stays
+    assert restarted_ranks({3: 0}, [0, 1, 2]) == {}  # this node's only rank was lost
+
+
+def test_a_rank_killed_on_another_node_restarts_the_instance_across_nodes(tiny_checkpoint, tmp_path):
+    """Head: rank 0 (an LLM here); a headless node: ranks 1 and 2. kill -9 of rank 1 mid-run: the node reports
+    it, the head restarts a world of 2 (old rank 2 is rank 1 now, on the node's device it had), every request
+    completes with an undisturbed run's tokens as streamed, and the node goes on until the head stops it."""
+    import signal
+
+    expected = generate(LLM(tiny_checkpoint, accelerator="rowwise_cpu", num_kv_blocks=64, progress=False))
+    port = free_port_pair()
+    exe = shutil.which("deepinfer", path=str(Path(sys.executable).parent))
+    env = {**os.environ, "DEEPINFER_DATA_PARALLEL_KEY": "test-secret", "OMP_NUM_THREADS": "1"}
+    log = tmp_path / "headless.log"
+    with open(log, "wb") as out:
+        node = subprocess.Popen(
+            [exe, "serve", "--headless", "-dp", "3", "-dpl", "2", "--data-parallel-start-rank", "1",
+             "-dpa", "127.0.0.1", "-dpp", str(port)],
+            stdout=out, stderr=subprocess.STDOUT, env=env,
+        )  # fmt: skip
+    os.environ["DEEPINFER_DATA_PARALLEL_KEY"] = "test-secret"
+    engine = None
+    try:
+        head = LLM(tiny_checkpoint, accelerator="rowwise_cpu", num_kv_blocks=64, progress=False, max_num_seqs=2,
+                   data_parallel_size=3, data_parallel_size_local=1, enable_expert_parallel=True,
+                   data_parallel_rpc_port=port)  # fmt: skip
+        engine = head.engine
+        victim = engine.rank_info[1]["pid"]
+        streamed = {str(i): [] for i in range(len(PROMPTS))}
+        for i, prompt in enumerate(PROMPTS):  # seeded as generate() seeds them
+            engine.add_request(str(i), prompt, SamplingParams(max_tokens=8, temperature=1.0, seed=i, ignore_eos=True))
+        killed = False
+        while engine.has_unfinished():
+            for output in engine.step():
+                streamed[output.request_id].extend(output.outputs[0].new_token_ids)
+            if not killed and sum(map(len, streamed.values())) >= 6:  # mid-run: some tokens out, most not
+                os.kill(victim, signal.SIGKILL)
+                killed = True
+        assert killed and len(engine.restarts) == 1, engine.restarts
+        restart = engine.restarts[0]
+        assert restart["lost"] == [1] and restart["world_size"] == 2, restart
+        assert "without a word" in restart["reason"], restart
+        assert [tuple(streamed[str(i)]) for i in range(len(PROMPTS))] == expected
+        assert engine.rank_info[1]["pid"] != victim and node.poll() is None, log.read_text()
+        assert generate(head) == expected  # the restarted world serves new requests too
+        engine.shutdown()
+        assert node.wait(timeout=60) == 0, log.read_text()
+        assert "ranks [1] of 2 on devices [1]" in log.read_text()
+    finally:
+        del os.environ["DEEPINFER_DATA_PARALLEL_KEY"]
+        if engine is not None:
+            engine.shutdown()
+        if node.poll() is None:
+            node.kill()
