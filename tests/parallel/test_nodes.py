@@ -40,20 +40,26 @@ def generate(llm) -> list[tuple[int, ...]]:
     return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
 
 
+def start_headless(log: Path, port: int, flags: list[str]) -> subprocess.Popen:
+    """`deepinfer serve --headless FLAGS` joining a head at 127.0.0.1:port, its output in `log`; the shared
+    secret set here too (for the head this process runs)."""
+    exe = shutil.which("deepinfer", path=str(Path(sys.executable).parent))
+    env = {**os.environ, "DEEPINFER_DATA_PARALLEL_KEY": "test-secret", "OMP_NUM_THREADS": "1"}
+    with open(log, "wb") as out:
+        node = subprocess.Popen(
+            [exe, "serve", "--headless", *flags, "--data-parallel-address", "127.0.0.1", "--data-parallel-rpc-port",
+             str(port)], stdout=out, stderr=subprocess.STDOUT, env=env,
+        )  # fmt: skip
+    os.environ["DEEPINFER_DATA_PARALLEL_KEY"] = "test-secret"
+    return node
+
+
 def test_a_headless_node_joins_the_heads_world(tiny_checkpoint, tmp_path):
     expected = generate(LLM(tiny_checkpoint, accelerator="rowwise_cpu", num_kv_blocks=64, progress=False))
     port = free_port_pair()
-    exe = shutil.which("deepinfer", path=str(Path(sys.executable).parent))
-    env = {**os.environ, "DEEPINFER_DATA_PARALLEL_KEY": "test-secret", "OMP_NUM_THREADS": "1"}
     log = tmp_path / "headless.log"
-    with open(log, "wb") as out:
-        node = subprocess.Popen(
-            [exe, "serve", "--headless", "--data-parallel-size", "2", "--data-parallel-size-local", "1",
-             "--data-parallel-start-rank", "1", "--data-parallel-address", "127.0.0.1",
-             "--data-parallel-rpc-port", str(port)],
-            stdout=out, stderr=subprocess.STDOUT, env=env,
-        )  # fmt: skip
-    os.environ["DEEPINFER_DATA_PARALLEL_KEY"] = "test-secret"
+    flags = ["--data-parallel-size", "2", "--data-parallel-size-local", "1", "--data-parallel-start-rank", "1"]
+    node = start_headless(log, port, flags)
     try:
         head = LLM(tiny_checkpoint, accelerator="rowwise_cpu", num_kv_blocks=64, progress=False,
                    data_parallel_size=2, data_parallel_size_local=1, enable_expert_parallel=True,
@@ -88,16 +94,8 @@ def test_a_rank_killed_on_another_node_restarts_the_instance_across_nodes(tiny_c
 
     expected = generate(LLM(tiny_checkpoint, accelerator="rowwise_cpu", num_kv_blocks=64, progress=False))
     port = free_port_pair()
-    exe = shutil.which("deepinfer", path=str(Path(sys.executable).parent))
-    env = {**os.environ, "DEEPINFER_DATA_PARALLEL_KEY": "test-secret", "OMP_NUM_THREADS": "1"}
     log = tmp_path / "headless.log"
-    with open(log, "wb") as out:
-        node = subprocess.Popen(
-            [exe, "serve", "--headless", "-dp", "3", "-dpl", "2", "--data-parallel-start-rank", "1",
-             "-dpa", "127.0.0.1", "-dpp", str(port)],
-            stdout=out, stderr=subprocess.STDOUT, env=env,
-        )  # fmt: skip
-    os.environ["DEEPINFER_DATA_PARALLEL_KEY"] = "test-secret"
+    node = start_headless(log, port, ["-dp", "3", "-dpl", "2", "--data-parallel-start-rank", "1"])
     engine = None
     try:
         head = LLM(tiny_checkpoint, accelerator="rowwise_cpu", num_kv_blocks=64, progress=False, max_num_seqs=2,
