@@ -31,14 +31,14 @@ import time
 from collections.abc import Sequence
 from dataclasses import replace
 
-from deepinfer_core.backend.extensions import LogitsProcessor, Observer, RequestEvent, StepStats
+from deepinfer_core.backend.extensions import LogitsProcessor, Observer, RequestEvent
 from deepinfer_core.backend.resolve import ResolvedBackend
 from deepinfer_core.engine.block_manager import BlockManager, exact_replay_tokens, prefix_replay_tokens
 from deepinfer_core.engine.config import EngineConfig
 from deepinfer_core.engine.limits import context_length, tokens_needed
 from deepinfer_core.engine.logprobs import LogprobRecorder
 from deepinfer_core.engine.memory import blocks_for_memory
-from deepinfer_core.engine.observers import notify_request, notify_step
+from deepinfer_core.engine.observers import notify_request, notify_step, step_stats
 from deepinfer_core.engine.pending import LaunchedStep
 from deepinfer_core.engine.prompts import encode_prompt
 from deepinfer_core.engine.request import Delta, Request, RequestGroup, RequestOutput, RequestStatus
@@ -47,7 +47,7 @@ from deepinfer_core.engine.scheduler import Scheduler
 from deepinfer_core.engine.snapshots import WindowSnapshots, first_needed
 from deepinfer_core.engine.speculative import SpeculativeStats, accepted_prefix, check_model
 from deepinfer_core.engine.step_costs import scheduler_options
-from deepinfer_core.engine.stops import find_stop, held_back
+from deepinfer_core.engine.stops import held_back, stop_after
 from deepinfer_core.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from deepinfer_core.errors import RequestError
 from deepinfer_core.sampling.params import SamplingParams
@@ -346,7 +346,8 @@ class Engine:
             if (report := group.report(deltas)) is not None:
                 outputs.append(report)
         self._step += 1
-        self._observe_step(step)
+        if self.observers:
+            notify_step(self.observers, step_stats(self._step, step, self.scheduler, self.blocks))
         return outputs
 
     def _append_token(self, request: Request, results, row: int, grammar_accepted: bool | None = None) -> str:
@@ -373,30 +374,13 @@ class Engine:
         """Check the stop conditions and detokenize the new token; returns the text to report for it. As
         vLLM's: the text of a stop token (EOS, stop_token_ids) stays out, and a stop string cuts the text
         (neither it nor what follows is ever reported)."""
-        params, num_output = request.params, len(request.output_token_ids)
-        reason = stop = None
-        if num_output >= params.min_tokens:
-            if token in params.stop_token_ids:
-                reason, stop = "stop", token
-            elif token in self.eos_token_ids and not params.ignore_eos:
-                reason = "stop"
-        if reason is None:
-            delta = self._detokenize(request)
-            streamed = len(request.text) - len(delta)  # text before this token's
-            if (
-                params.stop
-                and num_output > params.min_tokens
-                and (hit := find_stop(request.text, params.stop, streamed))
-            ):
-                request.text = request.text[: hit[0]]
-                reason, stop = "stop", hit[1]
-        if reason is None and request.num_known_tokens >= request.max_num_tokens:  # max_tokens, or the context
-            reason = "length"
+        reason, stop = stop_after(request, token, self.eos_token_ids, self._detokenize)
         if reason is not None:
             request.finish_reason, request.stop_reason = reason, stop
             self.scheduler.finish(request)
         # never report text that a later token may still turn into a stop string (it is cut then)
-        end = len(request.text) if request.finished else len(request.text) - held_back(request.text, params.stop)
+        text = request.text
+        end = len(text) if request.finished else len(text) - held_back(text, request.params.stop)
         delta, request.num_reported_chars = request.text[request.num_reported_chars : end], end
         return delta
 
@@ -407,17 +391,3 @@ class Engine:
         delta = detokenizer.update(request.output_token_ids)
         request.text = detokenizer.text
         return delta
-
-    def _observe_step(self, step: LaunchedStep) -> None:
-        if not self.observers:
-            return
-        stats = StepStats(
-            self._step,
-            step.scheduled.num_tokens - step.num_decode_tokens,
-            step.num_decode_tokens,
-            len(self.scheduler.running),
-            len(self.scheduler.waiting),
-            self.blocks.num_used_blocks,
-            self.blocks.num_blocks,
-        )
-        notify_step(self.observers, stats)

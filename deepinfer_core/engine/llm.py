@@ -228,29 +228,9 @@ class LLM:
     def _start_ranks(self, arguments: dict) -> None:
         """data_parallel_size > 1: start the engine ranks (each builds its engine from these arguments); this
         process keeps the tokenizer and feeds them."""
-        from deepinfer_core.parallel.data_parallel import DataParallelEngine
-        from deepinfer_core.parallel.eplb_runtime import EplbConfig
+        from deepinfer_core.parallel.data_parallel import start_ranks
 
-        size, expert_parallel = arguments["data_parallel_size"], arguments["enable_expert_parallel"]
-        if not isinstance(size, int) or isinstance(size, bool) or size < 1:
-            raise DeepInferError(f"data_parallel_size must be a positive integer, got {size!r}")
-        if arguments["backend"] is not None or arguments["expert_parallel_rank"] is not None:
-            raise DeepInferError("data_parallel_size > 1 starts its own ranks: pass neither backend nor a rank")
-        if arguments["speculative_config"] is not None:
-            raise DeepInferError(
-                "speculative decoding does not run with data_parallel_size > 1 yet (a draft model's MoE layers "
-                "would have to step with the other ranks'); drop speculative_config or run one rank"
-            )
-        skip = {"self", "data_parallel_size", "enable_expert_parallel", "expert_parallel_rank", "backend", "progress",
-                "enable_eplb", "eplb_config", "data_parallel_size_local", "data_parallel_address",
-                "data_parallel_rpc_port"}  # fmt: skip
-        options = {k: v for k, v in arguments.items() if k not in skip and not k.startswith("__")}
-        options.update(progress=False, graph_batch_size=0)  # no device graphs around the ranks' collectives
-        eplb = EplbConfig.parse(arguments["eplb_config"]) if arguments["enable_eplb"] else None
-        self.engine = DataParallelEngine(
-            size, options, expert_parallel, eplb, arguments["data_parallel_size_local"],
-            arguments["data_parallel_address"], arguments["data_parallel_rpc_port"],
-        )  # fmt: skip
+        self.engine = start_ranks(arguments)
         self.backend = self.model = None
         self.model_name = self.engine.rank_info[0]["model"]
         location = self.engine.rank_info[0]["path"]

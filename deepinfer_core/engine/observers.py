@@ -8,7 +8,7 @@ from collections.abc import Sequence
 
 from deepinfer_core.backend.extensions import Observer, RequestEvent, StepStats
 
-__all__ = ["notify_request", "notify_step"]
+__all__ = ["notify_request", "notify_step", "step_stats"]
 
 log = logging.getLogger(__name__)
 
@@ -27,3 +27,11 @@ def notify_step(observers: Sequence[Observer], stats: StepStats) -> None:
             observer.on_step(stats)
         except Exception:
             log.exception("observer %r failed on a step", observer)
+
+
+def step_stats(index: int, step, scheduler, blocks) -> StepStats:
+    """What observers learn of the engine's step `index` (a LaunchedStep, finalized): its prefill and decode
+    tokens, the requests running and waiting, the KV blocks in use."""
+    decode = step.num_decode_tokens
+    return StepStats(index, step.scheduled.num_tokens - decode, decode, len(scheduler.running), len(scheduler.waiting),
+                     blocks.num_used_blocks, blocks.num_blocks)  # fmt: skip

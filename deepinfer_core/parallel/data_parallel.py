@@ -41,7 +41,7 @@ from deepinfer_core.parallel.rank_reports import MoELoad, RankReport, RanksBlock
 from deepinfer_core.parallel.restarts import RankRecovery
 from deepinfer_core.parallel.routing import RankLoad, choose_rank
 
-__all__ = ["DataParallelEngine"]
+__all__ = ["DataParallelEngine", "start_ranks"]
 
 log = logging.getLogger(__name__)
 
@@ -358,3 +358,30 @@ class DataParallelEngine(RankRecovery):
             self.shutdown()
         except Exception:  # interpreter shutdown: nothing left to stop
             pass
+
+
+def start_ranks(arguments: dict) -> DataParallelEngine:
+    """The ranks `LLM(data_parallel_size=N, ...)` asks for (`arguments`: its keyword arguments): checked, then
+    started, each building its engine from the rest of them."""
+    from deepinfer_core.parallel.eplb_runtime import EplbConfig
+
+    size, expert_parallel = arguments["data_parallel_size"], arguments["enable_expert_parallel"]
+    if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+        raise DeepInferError(f"data_parallel_size must be a positive integer, got {size!r}")
+    if arguments["backend"] is not None or arguments["expert_parallel_rank"] is not None:
+        raise DeepInferError("data_parallel_size > 1 starts its own ranks: pass neither backend nor a rank")
+    if arguments["speculative_config"] is not None:
+        raise DeepInferError(
+            "speculative decoding does not run with data_parallel_size > 1 yet (a draft model's MoE layers "
+            "would have to step with the other ranks'); drop speculative_config or run one rank"
+        )
+    skip = {"self", "data_parallel_size", "enable_expert_parallel", "expert_parallel_rank", "backend", "progress",
+            "enable_eplb", "eplb_config", "data_parallel_size_local", "data_parallel_address",
+            "data_parallel_rpc_port"}  # fmt: skip
+    options = {k: v for k, v in arguments.items() if k not in skip and not k.startswith("__")}
+    options.update(progress=False, graph_batch_size=0)  # no device graphs around the ranks' collectives
+    eplb = EplbConfig.parse(arguments["eplb_config"]) if arguments["enable_eplb"] else None
+    return DataParallelEngine(
+        size, options, expert_parallel, eplb, arguments["data_parallel_size_local"],
+        arguments["data_parallel_address"], arguments["data_parallel_rpc_port"],
+    )  # fmt: skip
