@@ -77,7 +77,7 @@ class DataParallelEngine(RankRecovery):
                       "expert_parallel": expert_parallel, "eplb": eplb}  # fmt: skip
             self._hub, self._hub_address = Hub(host, port, config), (host, port)
         self._generation = 0  # worlds started before this one (a restart starts a new one)
-        self._nodes: dict[int, int] = {}  # headless node (its first rank at the start) -> its rank count then
+        self._node_ranks: dict[int, list[int]] = {}  # headless node (its first rank at the start) -> its ranks now
         self._survivors: list[int] = []  # after a restart: the old world's ranks that make the new one, in order
         self._seeds = random.Random(options.get("seed"))
         self._requests: dict[str, tuple] = {}  # in flight: (prompt, params as sent)
@@ -119,7 +119,7 @@ class DataParallelEngine(RankRecovery):
 
             self._inboxes, self._outbox = self._hub.world(self._generation, size)
             host = self._hub_address[0]  # a restarted world meets at a port of its own (rank 0 is on this node)
-            address = self._dist_address if self._generation == 0 else f"tcp://{host}:{free_port(host)}"
+            address = self._dist_address if self._generation == 0 else f"tcp://{host}:{_free_port(host)}"
             links = [(HubLink(*self._hub_address, rank, self._generation), None) for rank in range(len(self._devices))]
         self._processes = [
             context.Process(
@@ -136,7 +136,7 @@ class DataParallelEngine(RankRecovery):
             for _, outbox in links:
                 outbox.writer.close()  # the rank holds it now; once the rank ends, its pipe reads EOF
         elif self._generation > 0:  # every headless node starts its part of the new world
-            for node in self._nodes:
+            for node in self._node_ranks:
                 self._hub.queue("control", node).put(("restart", self._generation, size, address, self._survivors))
         self._loads = [RankLoad() for _ in range(size)]
         self._reports = [RankReport() for _ in range(size)]
@@ -167,7 +167,7 @@ class DataParallelEngine(RankRecovery):
                 self.shutdown()
                 raise DeepInferError(f"engine rank {message[1]} ended while starting (exit code {message[2]})")
             elif message[0] == "node":  # a headless node's hello: its first rank and rank count
-                self._nodes[message[1]] = message[2]
+                self._node_ranks[message[1]] = list(range(message[1], message[1] + message[2]))
 
     # ---- one engine to the server -----------------------------------------------------------------
 
@@ -336,7 +336,7 @@ class DataParallelEngine(RankRecovery):
         stop."""
         self._stop_ranks(wait_s)
         if getattr(self, "_hub", None) is not None:
-            for node in self._nodes:
+            for node in self._node_ranks:
                 self._hub.queue("control", node).put(("stop",))
 
     def _stop_ranks(self, wait_s: float) -> None:
@@ -385,3 +385,10 @@ def start_ranks(arguments: dict) -> DataParallelEngine:
         size, options, expert_parallel, eplb, arguments["data_parallel_size_local"],
         arguments["data_parallel_address"], arguments["data_parallel_rpc_port"],
     )  # fmt: skip
+
+
+def _free_port(host: str) -> int:
+    try:
+        return free_port(host)
+    except OSError as err:
+        raise DeepInferError(f"no free port on {host} for the restarted ranks' rendezvous ({err})") from None

@@ -17,7 +17,10 @@ Each world the head starts is a generation with queues of its own (a rank of an 
 new one). A headless node is a supervisor of its rank processes: it says hello to the head (its first rank and
 rank count), reports a rank process that ended without being asked, and takes the head's orders on a control
 queue of its own: ("restart", generation, size, address, survivors) — stop its ranks and start those of its ranks
-listed in `survivors` (the old ranks, in their new order) on the devices they had — or ("stop",).
+listed in `survivors` (the old ranks, in their new order) on the devices they had —, ("census", generation) —
+answer with every rank's exit code so far (None: running), which the head asks of every node once a rank is lost
+(a node's own report may come late; a node that does not answer is taken as gone, with its ranks) — or ("stop",).
+A node stopped by a signal reports its ranks as ended before it stops them.
 """
 
 from __future__ import annotations
@@ -133,10 +136,10 @@ def restarted_ranks(devices: dict[int, int], survivors: list[int]) -> dict[int, 
 class _Node:
     """A headless node's rank processes and what it knows of the head's world."""
 
-    def __init__(self, host: str, port: int, config: dict) -> None:
+    def __init__(self, key: int, host: str, port: int, config: dict) -> None:
         import multiprocessing
 
-        self.host, self.port, self.config = host, port, config
+        self.key, self.host, self.port, self.config = key, host, port, config
         self.context = multiprocessing.get_context("spawn")
         self.processes: dict[int, object] = {}  # rank -> its process, in the current generation
         self.devices: dict[int, int] = {}  # rank -> this node's device it runs on
@@ -183,13 +186,39 @@ class _Node:
                     ended[rank] = process.exitcode
         return ended
 
+    def exit_codes(self) -> dict[int, int | None]:
+        """{rank: its process's exit code, None while it runs}."""
+        return {rank: process.exitcode for rank, process in self.processes.items()}
+
     def stop(self, wait_s: float) -> list[int | None]:
+        """Wait up to `wait_s` in all for the rank processes to end, then kill the rest; their exit codes."""
+        deadline = time.monotonic() + wait_s
         for process in self.processes.values():
-            process.join(timeout=wait_s)
+            if process.pid is None:  # never started (a signal during `start`)
+                continue
+            process.join(timeout=max(0.0, deadline - time.monotonic()))
             if process.is_alive():
                 process.kill()
                 process.join(timeout=5)
         return [p.exitcode for p in self.processes.values()]
+
+    def report_gone(self, manager) -> None:
+        """Tell the head that this node's running ranks are about to end (it is being stopped unasked). From a
+        thread of its own: proxies share a connection per thread, and the signal may have cut a call on this
+        thread's short, leaving its answer unread there."""
+
+        def report() -> None:
+            try:
+                outbox = manager.outbox(self.generation)
+                for rank, code in self.exit_codes().items():
+                    if code is None:
+                        outbox.put(("ended", rank, -signal.SIGTERM))
+            except Exception:  # noqa: BLE001 - the head may be gone too: nothing to tell
+                pass
+
+        thread = threading.Thread(target=report, name="deepinfer-node-report", daemon=True)
+        thread.start()
+        thread.join(timeout=5.0)
 
 
 def serve_headless(host: str, port: int, size: int, start_rank: int, local_size: int) -> int:
@@ -210,11 +239,14 @@ def serve_headless(host: str, port: int, size: int, start_rank: int, local_size:
              size)  # fmt: skip
     control = manager.control(start_rank)
     manager.outbox(0).put(("node", start_rank, local_size))
-    node = _Node(host, port, config)
-    ranks = range(start_rank, start_rank + local_size)
-    node.start(0, size, config["dist_address"], {rank: rank - start_rank for rank in ranks})
+    node = _Node(start_rank, host, port, config)
     try:
+        ranks = range(start_rank, start_rank + local_size)
+        node.start(0, size, config["dist_address"], {rank: rank - start_rank for rank in ranks})
         return _supervise(node, manager, control)
+    except BaseException:  # SIGTERM (SystemExit), Ctrl-C: the head learns of it before the ranks' peers fail
+        node.report_gone(manager)
+        raise
     finally:
         node.stop(wait_s=0.0)
 
@@ -237,6 +269,9 @@ def _supervise(node: _Node, manager, control) -> int:
             codes = node.stop(STOP_WAIT_S)
             log.info("ranks %s ended (exit codes %s)", sorted(node.processes), codes)
             return 0
+        if message[0] == "census":
+            manager.outbox(message[1]).put(("census", node.key, node.exit_codes()))
+            continue
         _, generation, size, address, survivors = message  # ("restart", ...)
         node.stop(wait_s=0.0)
         devices = restarted_ranks(node.devices, survivors)

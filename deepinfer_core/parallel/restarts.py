@@ -23,13 +23,14 @@ __all__ = ["RankRecovery"]
 log = logging.getLogger(__name__)
 
 LOSS_SETTLE_S = 0.5  # after a rank fails or ends, how long the others (and the nodes) get to notice and report
+CENSUS_TIMEOUT_S = 5.0  # how long a headless node has to say which of its ranks run before it is taken as gone
 MAX_RESENDS = 2  # restarts a request may be sent again after, before it fails
 
 
 class RankRecovery:
     """DataParallelEngine's restart: `_recover` after a lost rank, `_fatal` when none is left."""
 
-    def _lost_ranks(self, failed: dict[int, str], ended: dict[int, int]) -> tuple[list[int], str, bool]:
+    def _lost_ranks(self, failed: dict[int, str], ended: dict[int, int | str]) -> tuple[list[int], str, bool]:
         """(the lost ranks, why, whether their processes ended without a word), once one failed (`failed`: rank ->
         the reason it reported) or ended (`ended`: rank on another node -> exit code, as its node reported)."""
         time.sleep(LOSS_SETTLE_S)
@@ -45,12 +46,40 @@ class RankRecovery:
         for rank, process in enumerate(self._processes):
             if not process.is_alive():
                 ended.setdefault(rank, process.exitcode)
+        if self._node_ranks:
+            self._census(failed, ended)
         silent = sorted(r for r in ended if r not in failed)
         if silent:
             codes = ", ".join(str(ended[r]) for r in silent)
             return silent, f"process ended without a word (exit code {codes})", True
         first = next(iter(failed))
         return [first], failed[first], False
+
+    def _census(self, failed: dict[int, str], ended: dict[int, int | str]) -> None:
+        """Ask every headless node for its ranks' exit codes (its own report of a rank that ended may not have
+        come yet) and add those that ended to `ended`; the ranks of a node that does not answer within
+        CENSUS_TIMEOUT_S (its machine down, its supervisor killed) count as ended with it."""
+        waiting = set(self._node_ranks)
+        for node in waiting:
+            self._hub.queue("control", node).put(("census", self._generation))
+        deadline = time.monotonic() + CENSUS_TIMEOUT_S
+        while waiting and (left := deadline - time.monotonic()) > 0:
+            try:
+                message = self._outbox.get(timeout=left)
+            except queue.Empty:
+                break
+            if message[0] == "census":
+                waiting.discard(message[1])
+                ended.update({r: code for r, code in message[2].items() if code not in (None, 0) and r not in ended})
+            elif message[0] == "failed":
+                failed.setdefault(message[1], message[2])
+            elif message[0] == "ended":
+                ended.setdefault(message[1], message[2])
+        for node in waiting:
+            log.error("headless node %d did not answer within %.0f s: taken as gone with its ranks %s", node,
+                      CENSUS_TIMEOUT_S, self._node_ranks[node])  # fmt: skip
+            for rank in self._node_ranks[node]:
+                ended.setdefault(rank, "its node did not answer")
 
     def _recover(self, failed: dict[int, str], ended: dict[int, int] | None = None) -> None:
         """Restart after a lost rank (`_lost_ranks`): stop every rank process and start a world again (on every
@@ -74,6 +103,8 @@ class RankRecovery:
             if (not silent and request_id in held) or self._resends[request_id] > MAX_RESENDS:
                 self._fail(request_id, DeepInferError(f"an engine rank failed while running this request: {reason}"))
         self._devices, self._world, self._survivors = devices, len(survivors), survivors
+        kept = {node: [survivors.index(r) for r in ranks if r in survivors] for node, ranks in self._node_ranks.items()}
+        self._node_ranks = {node: ranks for node, ranks in kept.items() if ranks}  # a node left with none ends
         self._owner.clear()
         self._close_queues()
         self._generation += 1

@@ -18,6 +18,7 @@ from deepinfer_core.errors import DeepInferError
 from deepinfer_core.parallel.nodes import restarted_ranks
 
 PROMPTS = [[5 + i, 17, 33 + 2 * i, 9, 60 - i] for i in range(4)]
+LONG = 48  # new tokens a request of the kill tests
 
 
 def free_port_pair() -> int:
@@ -35,8 +36,12 @@ def free_port_pair() -> int:
     raise RuntimeError("no two consecutive free ports")
 
 
-def generate(llm) -> list[tuple[int, ...]]:
-    params = [SamplingParams(max_tokens=8, temperature=1.0, seed=i, ignore_eos=True) for i in range(len(PROMPTS))]
+def seeded(i: int, max_tokens: int = 8) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=1.0, seed=i, ignore_eos=True)
+
+
+def generate(llm, max_tokens: int = 8) -> list[tuple[int, ...]]:
+    params = [seeded(i, max_tokens) for i in range(len(PROMPTS))]
     return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
 
 
@@ -92,7 +97,8 @@ def test_a_rank_killed_on_another_node_restarts_the_instance_across_nodes(tiny_c
     completes with an undisturbed run's tokens as streamed, and the node goes on until the head stops it."""
     import signal
 
-    expected = generate(LLM(tiny_checkpoint, accelerator="rowwise_cpu", num_kv_blocks=64, progress=False))
+    # long enough that the ranks, which run ahead of what the front has read, are still at it when it kills
+    expected = generate(LLM(tiny_checkpoint, accelerator="rowwise_cpu", num_kv_blocks=64, progress=False), LONG)
     port = free_port_pair()
     log = tmp_path / "headless.log"
     node = start_headless(log, port, ["-dp", "3", "-dpl", "2", "--data-parallel-start-rank", "1"])
@@ -105,7 +111,7 @@ def test_a_rank_killed_on_another_node_restarts_the_instance_across_nodes(tiny_c
         victim = engine.rank_info[1]["pid"]
         streamed = {str(i): [] for i in range(len(PROMPTS))}
         for i, prompt in enumerate(PROMPTS):  # seeded as generate() seeds them
-            engine.add_request(str(i), prompt, SamplingParams(max_tokens=8, temperature=1.0, seed=i, ignore_eos=True))
+            engine.add_request(str(i), prompt, seeded(i, LONG))
         killed = False
         while engine.has_unfinished():
             for output in engine.step():
@@ -119,10 +125,58 @@ def test_a_rank_killed_on_another_node_restarts_the_instance_across_nodes(tiny_c
         assert "without a word" in restart["reason"], restart
         assert [tuple(streamed[str(i)]) for i in range(len(PROMPTS))] == expected
         assert engine.rank_info[1]["pid"] != victim and node.poll() is None, log.read_text()
-        assert generate(head) == expected  # the restarted world serves new requests too
+        assert generate(head, LONG) == expected  # the restarted world serves new requests too
         engine.shutdown()
         assert node.wait(timeout=60) == 0, log.read_text()
         assert "ranks [1] of 2 on devices [1]" in log.read_text()
+    finally:
+        del os.environ["DEEPINFER_DATA_PARALLEL_KEY"]
+        if engine is not None:
+            engine.shutdown()
+        if node.poll() is None:
+            node.kill()
+
+
+@pytest.mark.parametrize("how", ["sigterm", "vanished"])
+def test_a_node_lost_whole_restarts_the_instance_on_the_others(tiny_checkpoint, tmp_path, how):
+    """The headless node (ranks 1 and 2) goes mid-run: stopped by SIGTERM (it reports its ranks as ended, then
+    stops them), or vanished (its supervisor and its ranks killed, as when its machine goes down: nobody reports,
+    the head's census of the nodes gets no answer). The head restarts alone (world size 1) and every request
+    completes with an undisturbed run's tokens."""
+    import signal
+
+    # long enough that the ranks, which run ahead of what the front has read, are still at it when it kills
+    expected = generate(LLM(tiny_checkpoint, accelerator="rowwise_cpu", num_kv_blocks=64, progress=False), LONG)
+    port = free_port_pair()
+    log = tmp_path / "headless.log"
+    node = start_headless(log, port, ["-dp", "3", "-dpl", "2", "--data-parallel-start-rank", "1"])
+    engine = None
+    try:
+        head = LLM(tiny_checkpoint, accelerator="rowwise_cpu", num_kv_blocks=64, progress=False, max_num_seqs=2,
+                   data_parallel_size=3, data_parallel_size_local=1, enable_expert_parallel=True,
+                   data_parallel_rpc_port=port)  # fmt: skip
+        engine = head.engine
+        ranks = [engine.rank_info[r]["pid"] for r in (1, 2)]
+        streamed = {str(i): [] for i in range(len(PROMPTS))}
+        for i, prompt in enumerate(PROMPTS):
+            engine.add_request(str(i), prompt, seeded(i, LONG))
+        gone = False
+        while engine.has_unfinished():
+            for output in engine.step():
+                streamed[output.request_id].extend(output.outputs[0].new_token_ids)
+            if not gone and sum(map(len, streamed.values())) >= 6:
+                if how == "sigterm":
+                    node.terminate()
+                else:
+                    node.kill()
+                    for pid in ranks:
+                        os.kill(pid, signal.SIGKILL)
+                gone = True
+        assert gone and len(engine.restarts) == 1, engine.restarts
+        restart = engine.restarts[0]
+        assert restart["lost"] == [1, 2] and restart["world_size"] == 1, restart
+        assert [tuple(streamed[str(i)]) for i in range(len(PROMPTS))] == expected
+        assert node.wait(timeout=30) != 0
     finally:
         del os.environ["DEEPINFER_DATA_PARALLEL_KEY"]
         if engine is not None:
