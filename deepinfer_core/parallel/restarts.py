@@ -48,7 +48,11 @@ class RankRecovery:
                 ended.setdefault(rank, process.exitcode)
         if self._node_ranks:
             self._census(failed, ended)
-        silent = sorted(r for r in ended if r not in failed)
+        # a rank whose process ended unasked (not with 0 after reporting a failure) or whose node is gone is lost,
+        # whatever it reported first: a rank killed after its peer's loss broke its collective reports failing too
+        silent = sorted(r for r, code in ended.items() if code != 0)
+        if not silent and not failed:  # ended with 0 and said nothing: lost all the same
+            silent = sorted(ended)
         if silent:
             codes = ", ".join(str(ended[r]) for r in silent)
             return silent, f"process ended without a word (exit code {codes})", True

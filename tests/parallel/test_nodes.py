@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from deepinfer import LLM, SamplingParams
+from deepinfer_core.engine.request import FailedRequest
 from deepinfer_core.errors import DeepInferError
 from deepinfer_core.parallel.nodes import restarted_ranks
 
@@ -115,6 +116,7 @@ def test_a_rank_killed_on_another_node_restarts_the_instance_across_nodes(tiny_c
         killed = False
         while engine.has_unfinished():
             for output in engine.step():
+                assert not isinstance(output, FailedRequest), output.error
                 streamed[output.request_id].extend(output.outputs[0].new_token_ids)
             if not killed and sum(map(len, streamed.values())) >= 6:  # mid-run: some tokens out, most not
                 os.kill(victim, signal.SIGKILL)
@@ -163,6 +165,7 @@ def test_a_node_lost_whole_restarts_the_instance_on_the_others(tiny_checkpoint, 
         gone = False
         while engine.has_unfinished():
             for output in engine.step():
+                assert not isinstance(output, FailedRequest), output.error
                 streamed[output.request_id].extend(output.outputs[0].new_token_ids)
             if not gone and sum(map(len, streamed.values())) >= 6:
                 if how == "sigterm":
