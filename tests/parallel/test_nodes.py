@@ -85,6 +85,31 @@ def test_node_flags_are_checked():
         LLM(accelerator="rowwise_cpu", data_parallel_size=2, data_parallel_size_local=3)
 
 
+def three_rank_head(model, port: int) -> LLM:
+    """The head of a world of 3: rank 0 here, ranks 1-2 on the headless node joining at port."""
+    return LLM(model, accelerator="rowwise_cpu", num_kv_blocks=64, progress=False, max_num_seqs=2,
+               data_parallel_size=3, data_parallel_size_local=1, enable_expert_parallel=True,
+               data_parallel_rpc_port=port)  # fmt: skip
+
+
+def stream_and_lose(engine, lose) -> list[tuple[int, ...]]:
+    """PROMPTS added (seeded, LONG new tokens) and streamed to the end, `lose()` called once mid-run (some tokens
+    out, most not); each request's tokens as streamed. A request that fails fails the test."""
+    streamed = {str(i): [] for i in range(len(PROMPTS))}
+    for i, prompt in enumerate(PROMPTS):  # seeded as generate() seeds them
+        engine.add_request(str(i), prompt, seeded(i, LONG))
+    lost = False
+    while engine.has_unfinished():
+        for output in engine.step():
+            assert not isinstance(output, FailedRequest), output.error
+            streamed[output.request_id].extend(output.outputs[0].new_token_ids)
+        if not lost and sum(map(len, streamed.values())) >= 6:
+            lose()
+            lost = True
+    assert lost, "every request ended before the loss"
+    return [tuple(streamed[str(i)]) for i in range(len(PROMPTS))]
+
+
 def test_restarted_ranks_keep_their_devices_in_the_new_order():
     # a node ran old ranks 1 and 2 on its devices 0 and 1; rank 1 was lost: old rank 2 is rank 1 now, on device 1
     assert restarted_ranks({1: 0, 2: 1}, [0, 2]) == {1: 1}
@@ -105,27 +130,15 @@ def test_a_rank_killed_on_another_node_restarts_the_instance_across_nodes(tiny_c
     node = start_headless(log, port, ["-dp", "3", "-dpl", "2", "--data-parallel-start-rank", "1"])
     engine = None
     try:
-        head = LLM(tiny_checkpoint, accelerator="rowwise_cpu", num_kv_blocks=64, progress=False, max_num_seqs=2,
-                   data_parallel_size=3, data_parallel_size_local=1, enable_expert_parallel=True,
-                   data_parallel_rpc_port=port)  # fmt: skip
+        head = three_rank_head(tiny_checkpoint, port)
         engine = head.engine
         victim = engine.rank_info[1]["pid"]
-        streamed = {str(i): [] for i in range(len(PROMPTS))}
-        for i, prompt in enumerate(PROMPTS):  # seeded as generate() seeds them
-            engine.add_request(str(i), prompt, seeded(i, LONG))
-        killed = False
-        while engine.has_unfinished():
-            for output in engine.step():
-                assert not isinstance(output, FailedRequest), output.error
-                streamed[output.request_id].extend(output.outputs[0].new_token_ids)
-            if not killed and sum(map(len, streamed.values())) >= 6:  # mid-run: some tokens out, most not
-                os.kill(victim, signal.SIGKILL)
-                killed = True
-        assert killed and len(engine.restarts) == 1, engine.restarts
+        streamed = stream_and_lose(engine, lambda: os.kill(victim, signal.SIGKILL))
+        assert len(engine.restarts) == 1, engine.restarts
         restart = engine.restarts[0]
         assert restart["lost"] == [1] and restart["world_size"] == 2, restart
         assert "without a word" in restart["reason"], restart
-        assert [tuple(streamed[str(i)]) for i in range(len(PROMPTS))] == expected
+        assert streamed == expected
         assert engine.rank_info[1]["pid"] != victim and node.poll() is None, log.read_text()
         assert generate(head, LONG) == expected  # the restarted world serves new requests too
         engine.shutdown()
@@ -154,31 +167,20 @@ def test_a_node_lost_whole_restarts_the_instance_on_the_others(tiny_checkpoint, 
     node = start_headless(log, port, ["-dp", "3", "-dpl", "2", "--data-parallel-start-rank", "1"])
     engine = None
     try:
-        head = LLM(tiny_checkpoint, accelerator="rowwise_cpu", num_kv_blocks=64, progress=False, max_num_seqs=2,
-                   data_parallel_size=3, data_parallel_size_local=1, enable_expert_parallel=True,
-                   data_parallel_rpc_port=port)  # fmt: skip
+        head = three_rank_head(tiny_checkpoint, port)
         engine = head.engine
         ranks = [engine.rank_info[r]["pid"] for r in (1, 2)]
-        streamed = {str(i): [] for i in range(len(PROMPTS))}
-        for i, prompt in enumerate(PROMPTS):
-            engine.add_request(str(i), prompt, seeded(i, LONG))
-        gone = False
-        while engine.has_unfinished():
-            for output in engine.step():
-                assert not isinstance(output, FailedRequest), output.error
-                streamed[output.request_id].extend(output.outputs[0].new_token_ids)
-            if not gone and sum(map(len, streamed.values())) >= 6:
-                if how == "sigterm":
-                    node.terminate()
-                else:
-                    node.kill()
-                    for pid in ranks:
-                        os.kill(pid, signal.SIGKILL)
-                gone = True
-        assert gone and len(engine.restarts) == 1, engine.restarts
+
+        def vanish() -> None:
+            node.kill()
+            for pid in ranks:
+                os.kill(pid, signal.SIGKILL)
+
+        streamed = stream_and_lose(engine, node.terminate if how == "sigterm" else vanish)
+        assert len(engine.restarts) == 1, engine.restarts
         restart = engine.restarts[0]
         assert restart["lost"] == [1, 2] and restart["world_size"] == 1, restart
-        assert [tuple(streamed[str(i)]) for i in range(len(PROMPTS))] == expected
+        assert streamed == expected
         assert node.wait(timeout=30) != 0
     finally:
         del os.environ["DEEPINFER_DATA_PARALLEL_KEY"]
