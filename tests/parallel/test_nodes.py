@@ -85,6 +85,15 @@ def test_node_flags_are_checked():
         LLM(accelerator="rowwise_cpu", data_parallel_size=2, data_parallel_size_local=3)
 
 
+def two_node_world(model, tmp_path: Path):
+    """(the one-rank engine's tokens for the kill tests, the port, the node's log, a headless node holding ranks
+    1-2 of 3). LONG tokens: the ranks, which run ahead of what the front has read, are still at it at the kill."""
+    expected = generate(LLM(model, accelerator="rowwise_cpu", num_kv_blocks=64, progress=False), LONG)
+    port = free_port_pair()
+    log = tmp_path / "headless.log"
+    return expected, port, log, start_headless(log, port, ["-dp", "3", "-dpl", "2", "--data-parallel-start-rank", "1"])
+
+
 def three_rank_head(model, port: int) -> LLM:
     """The head of a world of 3: rank 0 here, ranks 1-2 on the headless node joining at port."""
     return LLM(model, accelerator="rowwise_cpu", num_kv_blocks=64, progress=False, max_num_seqs=2,
@@ -123,11 +132,7 @@ def test_a_rank_killed_on_another_node_restarts_the_instance_across_nodes(tiny_c
     completes with an undisturbed run's tokens as streamed, and the node goes on until the head stops it."""
     import signal
 
-    # long enough that the ranks, which run ahead of what the front has read, are still at it when it kills
-    expected = generate(LLM(tiny_checkpoint, accelerator="rowwise_cpu", num_kv_blocks=64, progress=False), LONG)
-    port = free_port_pair()
-    log = tmp_path / "headless.log"
-    node = start_headless(log, port, ["-dp", "3", "-dpl", "2", "--data-parallel-start-rank", "1"])
+    expected, port, log, node = two_node_world(tiny_checkpoint, tmp_path)
     engine = None
     try:
         head = three_rank_head(tiny_checkpoint, port)
@@ -160,11 +165,7 @@ def test_a_node_lost_whole_restarts_the_instance_on_the_others(tiny_checkpoint, 
     completes with an undisturbed run's tokens."""
     import signal
 
-    # long enough that the ranks, which run ahead of what the front has read, are still at it when it kills
-    expected = generate(LLM(tiny_checkpoint, accelerator="rowwise_cpu", num_kv_blocks=64, progress=False), LONG)
-    port = free_port_pair()
-    log = tmp_path / "headless.log"
-    node = start_headless(log, port, ["-dp", "3", "-dpl", "2", "--data-parallel-start-rank", "1"])
+    expected, port, log, node = two_node_world(tiny_checkpoint, tmp_path)
     engine = None
     try:
         head = three_rank_head(tiny_checkpoint, port)
