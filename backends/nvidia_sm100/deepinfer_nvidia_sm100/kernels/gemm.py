@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from deepinfer_core.backend.ops import MXFP4, BlockFP8
-from deepinfer_nvidia_sm100.kernels import quant
+from deepinfer_nvidia_sm100.kernels import fp8_tilings, quant
 from deepinfer_nvidia_sm100.kernels._common import INTERPRET, dot_in_float32
 from deepinfer_nvidia_sm100.kernels.quant import a_tile, check_tiles, finish, for_activations, weight_args, weight_mma
 
@@ -144,13 +144,16 @@ def batched_matmul(
     return out
 
 
-SMALL_ROWS, LARGE_ROWS = 16, 128  # the default mode's quantized GEMMs: 16-row tiles up to, 128 x 128 from
+SMALL_ROWS, LARGE_ROWS = 16, 128  # the default mode's MXFP4 GEMMs: 16-row tiles up to, 128 x 128 from
 
 
-def quantized_tiling(rows: int) -> dict:
-    """The default mode's tiling of an FP8 / FP4 weight's GEMM by its rows (bench/gpu_quant_kernels.py on the H200:
-    16-row tiles with 128-column K steps beat the fixed tiling and cuBLAS on the same weight in bf16 at decode's
-    few rows, 128 x 128 tiles win from a few hundred rows; in between the fixed tiling)."""
+def quantized_tiling(rows: int, weight: BlockFP8 | MXFP4) -> dict:
+    """The default mode's tiling of an FP8 / FP4 weight's GEMM by its rows. FP8: `fp8_tilings.tiling` (per shape and
+    row count, measured on the H200). MXFP4: 16-row tiles with 128-column K steps up to SMALL_ROWS (they beat the
+    fixed tiling and cuBLAS on the same weight in bf16 at decode's few rows), 128 x 128 tiles from LARGE_ROWS, the
+    fixed tiling in between (bench/gpu_quant_kernels.py)."""
+    if isinstance(weight, BlockFP8):
+        return fp8_tilings.tiling(rows, *weight.shape)
     if rows <= SMALL_ROWS:
         return {"tiles": (16, 64, 128, 4), "waves": 2, "stages": 4}
     if rows >= LARGE_ROWS:
@@ -166,6 +169,6 @@ def matmul(
     rows = x.reshape(-1, x.shape[-1])
     quantized = isinstance(weight, (BlockFP8, MXFP4))
     values, scale = (weight.weight, weight) if quantized else (weight, None)
-    tiling = quantized_tiling(rows.shape[0]) if quantized and not fixed_tiles else {}
+    tiling = quantized_tiling(rows.shape[0], weight) if quantized and not fixed_tiles else {}
     out = batched_matmul(rows[None], values[None], bias, b_scale=scale, **tiling)[0]
     return out.view(*x.shape[:-1], weight.shape[0])

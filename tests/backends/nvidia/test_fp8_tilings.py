@@ -1,0 +1,59 @@
+"""The default mode's FP8 tiling table (kernels/fp8_tilings): which tiling a row count and weight shape get, and
+that every tiling in it is one the GEMM takes for the block sizes DeepSeek ships (128 and 32 columns)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from deepinfer_core.backend.ops import BlockFP8
+from deepinfer_nvidia_sm100.kernels import fp8_tilings, gemm, quant
+
+ALL = [(shape, m) for shape, table in fp8_tilings.MEASURED.items() for m in table]
+
+
+def resolved(spec) -> dict:
+    tiles, waves, stages = fp8_tilings.LARGE if spec == "large" else spec
+    return {"tiles": tiles, "waves": waves, "stages": stages}
+
+
+@pytest.mark.parametrize("shape,rows", ALL, ids=[f"{n}x{k}_rows{m}" for (n, k), m in ALL])
+def test_a_measured_row_count_takes_its_own_entry(shape, rows):
+    assert fp8_tilings.tiling(rows, *shape) == resolved(fp8_tilings.MEASURED[shape][rows])
+
+
+@pytest.mark.parametrize("rows,bucket", [(2, 16), (16, 16), (17, 32), (33, 64), (64, 64), (65, 128), (128, 128)])
+def test_other_row_counts_take_the_next_measured_count_up(rows, bucket):
+    shape = (4096, 8192)
+    assert fp8_tilings.tiling(rows, *shape) == resolved(fp8_tilings.MEASURED[shape][bucket])
+
+
+def test_past_the_largest_measured_count_every_shape_takes_the_large_tiling():
+    for shape in [*fp8_tilings.MEASURED, (300, 200)]:
+        assert fp8_tilings.tiling(fp8_tilings.LARGE_ROWS + 1, *shape) == resolved("large")
+
+
+def test_an_unmeasured_shape_takes_the_generic_table():
+    assert (7168, 1536) not in fp8_tilings.MEASURED  # V3's q_b: not one of V4 Flash's shapes
+    for rows in (1, 9, 30, 60, 100):
+        bucket = min(m for m in fp8_tilings.GENERIC if m >= rows)
+        assert fp8_tilings.tiling(rows, 7168, 1536) == resolved(fp8_tilings.GENERIC[bucket])
+
+
+@pytest.mark.parametrize("block", [128, 32])
+def test_every_tiling_takes_the_shipped_scale_blocks(block):
+    specs = [s for table in [*fp8_tilings.MEASURED.values(), fp8_tilings.GENERIC] for s in table.values()]
+    weight = BlockFP8.quantize(torch.ones(block, block), (block, block), "e8m0")
+    for spec in specs:
+        (bm, bn, bk, warps), waves, stages = fp8_tilings.LARGE if spec == "large" else spec
+        quant.check_tiles(quant.weight_args(weight), bk)  # raises where the blocks neither span nor divide
+        assert bm in (16, 32, 64, 128) and bn in (64, 128) and warps in (4, 8) and waves >= 1 and stages >= 1
+
+
+def test_the_gemm_routes_fp8_weights_through_the_table(monkeypatch):
+    seen = []
+    monkeypatch.setattr(fp8_tilings, "tiling", lambda rows, n, k: seen.append((rows, n, k)) or {})
+    weight = BlockFP8.quantize(torch.randn(64, 256), (128, 128), "e8m0")
+    gemm.matmul(torch.randn(3, 256), weight, fixed_tiles=False)
+    gemm.matmul(torch.randn(3, 256), weight, fixed_tiles=True)  # the batch-invariant mode: one fixed tiling
+    assert seen == [(3, 64, 256)]
