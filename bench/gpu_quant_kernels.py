@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import itertools
 import json
 import os
 import sys
@@ -124,6 +125,21 @@ def ffn_rows(args, device: torch.device, dtype: torch.dtype, bandwidth: float, r
     return rows
 
 
+L2_BYTES = 50 << 20  # the H200's L2
+
+
+def rotating(calls: list) -> callable:
+    """One call a time, each the next of `calls` (weights in turn): in a replayed graph every call reads another
+    copy of the weight, out of HBM as in a model's step (its layers' weights), not out of L2."""
+    turn = itertools.cycle(calls)
+    return lambda: next(turn)()
+
+
+def copies_for(nbytes: int, inner: int) -> int:
+    """Copies of an `nbytes` weight whose turn spans 4 x L2 (at most one per replayed call)."""
+    return max(2, min(inner, -(-4 * L2_BYTES // nbytes)))
+
+
 def gemm_rows(args, device: torch.device, dtype: torch.dtype, bandwidth: float, repeats: int, inner: int) -> list:
     size = "tiny" if args.tiny else "full"
     g = torch.Generator(device=device).manual_seed(1)
@@ -138,6 +154,16 @@ def gemm_rows(args, device: torch.device, dtype: torch.dtype, bandwidth: float, 
             cublas = functools.partial(F.linear, x, weight)
             reference = cublas()
             row["cublas_bf16_ms"] = replayed_ms(cublas, device, repeats, inner)
+            # cold: each call of the replay on another copy of the weight (out of HBM, as in a model's step)
+            dense = [weight] + [weight.clone() for _ in range(copies_for(weight.nbytes, inner) - 1)]
+            quantized = [fp8] + [BlockFP8(fp8.weight.clone(), fp8.scale.clone(), fp8.block)
+                                 for _ in range(copies_for(fp8.nbytes, inner) - 1)]  # fmt: skip
+            cold_cublas = rotating([functools.partial(F.linear, x, w) for w in dense])
+            cold_fp8 = rotating([functools.partial(gemm.matmul, x, q, fixed_tiles=False) for q in quantized])
+            row["cublas_bf16_cold_ms"] = replayed_ms(cold_cublas, device, repeats, inner)
+            row["fp8_default_cold_ms"] = replayed_ms(cold_fp8, device, repeats, inner)
+            row["fp8_default_cold_speedup_vs_cublas_bf16"] = row["cublas_bf16_cold_ms"] / row["fp8_default_cold_ms"]
+            del dense, quantized, cold_cublas, cold_fp8
             for tiling, spec in GEMM_TILINGS[size].items():
                 if spec is None:  # production's, in the default mode or the batch-invariant one
                     call = functools.partial(gemm.matmul, x, fp8, fixed_tiles=tiling == "invariant")
@@ -160,6 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batches", default=None, help="decode batches for the expert FFN (default 1,16,64,256)")
     parser.add_argument("--rows", default=None, help="rows M for the projections (default 1,16,64,256)")
     parser.add_argument("--skip-gemm", action="store_true", help="time the expert FFN only")
+    parser.add_argument("--skip-ffn", action="store_true", help="time the FP8 projections only")
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
     args.batch_list = [int(b) for b in (args.batches or ("1,3" if args.tiny else "1,16,64,256")).split(",")]
@@ -183,9 +210,11 @@ def main(argv: list[str] | None = None) -> int:
         "each token routed to top_k distinct experts uniformly at random, MXFP4 codes and scales (2^-8..2^-5) "
         "random, bf16 = the same values dequantized; *_bound_ms = bytes of the touched experts' (or the "
         "projection's) weights and scales / copy bandwidth; FP8: 128 x 128 blocks, E8M0 scales, cuBLAS on the same "
-        "values in bf16",
+        "values in bf16; *_cold_ms: each replayed call on another copy of the weight (copies spanning 4 x L2): "
+        "read from HBM, as a model step's layers read theirs (the others: the same weight each call, L2-resident "
+        "when it fits)",
         "copy_bandwidth": copy,
-        "expert_ffn": ffn_rows(args, device, dtype, bandwidth, repeats, inner),
+        "expert_ffn": [] if args.skip_ffn else ffn_rows(args, device, dtype, bandwidth, repeats, inner),
         "fp8_projections": [] if args.skip_gemm else gemm_rows(args, device, dtype, bandwidth, repeats, inner),
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -10,42 +10,41 @@ from deepinfer_core.backend.ops import BlockFP8
 from deepinfer_nvidia_sm100.kernels import fp8_tilings, gemm, quant
 
 ALL = [(shape, m) for shape, table in fp8_tilings.MEASURED.items() for m in table]
+SHAPE = (4096, 8192)  # V4 Flash's o_b
 
 
-def resolved(spec) -> dict:
-    tiles, waves, stages = fp8_tilings.LARGE if spec == "large" else spec
+def keywords(spec) -> dict:
+    tiles, waves, stages = spec
     return {"tiles": tiles, "waves": waves, "stages": stages}
 
 
 @pytest.mark.parametrize("shape,rows", ALL, ids=[f"{n}x{k}_rows{m}" for (n, k), m in ALL])
 def test_a_measured_row_count_takes_its_own_entry(shape, rows):
-    assert fp8_tilings.tiling(rows, *shape) == resolved(fp8_tilings.MEASURED[shape][rows])
+    assert fp8_tilings.tiling(rows, *shape) == keywords(fp8_tilings.MEASURED[shape][rows])
 
 
-@pytest.mark.parametrize("rows,bucket", [(2, 16), (16, 16), (17, 32), (33, 64), (64, 64), (65, 128), (128, 128)])
+@pytest.mark.parametrize("rows,bucket", [(2, 16), (16, 16), (17, 32), (33, 64), (64, 64), (65, 128)])
 def test_other_row_counts_take_the_next_measured_count_up(rows, bucket):
-    shape = (4096, 8192)
-    assert fp8_tilings.tiling(rows, *shape) == resolved(fp8_tilings.MEASURED[shape][bucket])
+    assert fp8_tilings.tiling(rows, *SHAPE) == keywords(fp8_tilings.MEASURED[SHAPE][bucket])
 
 
-def test_past_the_largest_measured_count_every_shape_takes_the_large_tiling():
-    for shape in [*fp8_tilings.MEASURED, (300, 200)]:
-        assert fp8_tilings.tiling(fp8_tilings.LARGE_ROWS + 1, *shape) == resolved("large")
+def test_past_the_largest_measured_count_the_largest_entry_holds():
+    largest = max(fp8_tilings.MEASURED[SHAPE])
+    assert fp8_tilings.tiling(largest * 8 + 1, *SHAPE) == keywords(fp8_tilings.MEASURED[SHAPE][largest])
 
 
 def test_an_unmeasured_shape_takes_the_generic_table():
     assert (7168, 1536) not in fp8_tilings.MEASURED  # V3's q_b: not one of V4 Flash's shapes
-    for rows in (1, 9, 30, 60, 100):
-        bucket = min(m for m in fp8_tilings.GENERIC if m >= rows)
-        assert fp8_tilings.tiling(rows, 7168, 1536) == resolved(fp8_tilings.GENERIC[bucket])
+    for rows in (1, 9, 30, 60, 100, 10_000):
+        bucket = min((m for m in fp8_tilings.GENERIC if m >= rows), default=max(fp8_tilings.GENERIC))
+        assert fp8_tilings.tiling(rows, 7168, 1536) == keywords(fp8_tilings.GENERIC[bucket])
 
 
 @pytest.mark.parametrize("block", [128, 32])
 def test_every_tiling_takes_the_shipped_scale_blocks(block):
     specs = [s for table in [*fp8_tilings.MEASURED.values(), fp8_tilings.GENERIC] for s in table.values()]
     weight = BlockFP8.quantize(torch.ones(block, block), (block, block), "e8m0")
-    for spec in specs:
-        (bm, bn, bk, warps), waves, stages = fp8_tilings.LARGE if spec == "large" else spec
+    for (bm, bn, bk, warps), waves, stages in specs:
         quant.check_tiles(quant.weight_args(weight), bk)  # raises where the blocks neither span nor divide
         assert bm in (16, 32, 64, 128) and bn in (64, 128) and warps in (4, 8) and waves >= 1 and stages >= 1
 

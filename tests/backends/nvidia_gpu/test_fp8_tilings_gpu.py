@@ -21,7 +21,7 @@ def test_each_tiling_of_the_table_is_the_dequantized_gemm(n, k):
     g = torch.Generator(device="cuda").manual_seed(n + k)
     weight = BlockFP8.quantize(torch.randn(n, k, generator=g, device="cuda") * k**-0.5, (128, 128), "e8m0")
     dense = weight.dequantize().to(torch.bfloat16)
-    for rows in (1, 5, 16, 24, 32, 48, 64, 100, 128, 200):
+    for rows in (1, 5, 16, 24, 32, 48, 64, 100, 128, 200, 256, 300):
         x = torch.randn(rows, k, generator=g, device="cuda").to(torch.bfloat16)
         want = F.linear(x.float(), dense.float())
         got = gemm.matmul(x, weight, fixed_tiles=False).float()
