@@ -23,10 +23,16 @@ def fp4(*shape: int, seed: int) -> MXFP4:
     return MXFP4.quantize(randn(*shape, dtype=torch.float32, seed=seed, scale=0.2))
 
 
-@pytest.mark.parametrize("batch_invariant", [False, True], ids=["default", "invariant"])
+# the default mode's tiling follows the rows (kernels/fp8_tilings: one per measured row count); the batch-invariant
+# mode's does not (two row counts: one row tile and several)
+MODES_ROWS = [(False, rows) for rows in (7, 20, 50, 100, 200)] + [(True, 7), (True, 130)]
+
+
+@pytest.mark.parametrize(
+    "batch_invariant,rows", MODES_ROWS, ids=[f"{'invariant' if b else 'default'}-{r}" for b, r in MODES_ROWS]
+)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("n,k", [(200, 300), (64, 512)], ids=["cropped_blocks", "split_k"])
-@pytest.mark.parametrize("rows", [7, 20, 50, 100, 200])  # the default mode's tilings at each row count
 def test_linear_with_fp8_weight_is_the_dequantized_gemm(dtype, n, k, batch_invariant, rows):
     weight, bias = fp8(n, k, seed=1), randn(n, dtype=dtype, seed=2)
     x = randn(rows, k, dtype=dtype, seed=3)
