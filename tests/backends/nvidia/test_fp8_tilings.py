@@ -28,21 +28,24 @@ def test_other_row_counts_take_the_next_measured_count_up(rows, bucket):
     assert fp8_tilings.tiling(rows, *SHAPE) == keywords(fp8_tilings.MEASURED[SHAPE][bucket])
 
 
-def test_past_the_largest_measured_count_the_largest_entry_holds():
-    largest = max(fp8_tilings.MEASURED[SHAPE])
-    assert fp8_tilings.tiling(largest * 8 + 1, *SHAPE) == keywords(fp8_tilings.MEASURED[SHAPE][largest])
+def test_past_the_largest_measured_count_every_shape_takes_the_prefill_tiling():
+    for shape in [*fp8_tilings.MEASURED, (7168, 1536)]:
+        largest = max(fp8_tilings.MEASURED.get(shape, fp8_tilings.GENERIC))
+        assert fp8_tilings.tiling(largest + 1, *shape) == keywords(fp8_tilings.PREFILL)
+        assert fp8_tilings.tiling(8192, *shape) == keywords(fp8_tilings.PREFILL)
 
 
 def test_an_unmeasured_shape_takes_the_generic_table():
     assert (7168, 1536) not in fp8_tilings.MEASURED  # V3's q_b: not one of V4 Flash's shapes
-    for rows in (1, 9, 30, 60, 100, 10_000):
-        bucket = min((m for m in fp8_tilings.GENERIC if m >= rows), default=max(fp8_tilings.GENERIC))
+    for rows in (1, 9, 30, 60, 100, 256):
+        bucket = min(m for m in fp8_tilings.GENERIC if m >= rows)
         assert fp8_tilings.tiling(rows, 7168, 1536) == keywords(fp8_tilings.GENERIC[bucket])
 
 
 @pytest.mark.parametrize("block", [128, 32])
 def test_every_tiling_takes_the_shipped_scale_blocks(block):
-    specs = [s for table in [*fp8_tilings.MEASURED.values(), fp8_tilings.GENERIC] for s in table.values()]
+    tables = [*fp8_tilings.MEASURED.values(), fp8_tilings.GENERIC]
+    specs = [s for table in tables for s in table.values()] + [fp8_tilings.PREFILL]
     weight = BlockFP8.quantize(torch.ones(block, block), (block, block), "e8m0")
     for (bm, bn, bk, warps), waves, stages in specs:
         quant.check_tiles(quant.weight_args(weight), bk)  # raises where the blocks neither span nor divide

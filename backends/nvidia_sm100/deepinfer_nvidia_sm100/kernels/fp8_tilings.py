@@ -4,8 +4,9 @@ count, as vLLM keeps tuned configs per (N, K) and batch size for its block-FP8 k
 MEASURED: V4 Flash's seven dense projection shapes, each tiling the fastest of a grid on the H200 with the weight
 read from HBM, as a model's step reads it (bench/gpu_fp8_tilings.py; bench/results/gpu_fp8_tilings_nvidia_h200.json;
 regenerate with `python bench/gpu_fp8_tilings.py --table RESULT --write`). A row count takes the entry of the
-smallest measured count at or above it, or of the largest. Other shapes take GENERIC: per row count the one
-tiling fastest over the seven shapes together.
+smallest measured count at or above it. Other shapes take GENERIC: per row count the one tiling fastest over the
+seven shapes together. Past the largest measured count (prefill chunks) every shape takes PREFILL, the 128 x 128
+tiling the default mode used from 128 rows before the table.
 
 The tiling follows the rows, so results are not batch-invariant (the batch-invariant mode keeps one fixed
 tiling); each tiling is deterministic (its K splits depend on the shape only).
@@ -14,6 +15,8 @@ tiling); each tiling is deterministic (its K splits depend on the shape only).
 from __future__ import annotations
 
 Tiling = tuple[tuple[int, int, int, int], int, int]  # ((BM, BN, BK, warps), waves, stages)
+
+PREFILL: Tiling = ((128, 128, 64, 8), 1, 3)
 
 # --- the table (bench/gpu_fp8_tilings.py --table) ---
 MEASURED: dict[tuple[int, int], dict[int, Tiling]] = {
@@ -89,5 +92,5 @@ GENERIC: dict[int, Tiling] = {
 def tiling(rows: int, n: int, k: int) -> dict:
     """`gemm.batched_matmul`'s tiling keywords for an FP8 weight [n, k] at `rows` rows in the default mode."""
     table = MEASURED.get((n, k), GENERIC)
-    tiles, waves, stages = table[min((m for m in table if m >= rows), default=max(table))]
+    tiles, waves, stages = table[min(m for m in table if m >= rows)] if rows <= max(table) else PREFILL
     return {"tiles": tiles, "waves": waves, "stages": stages}
