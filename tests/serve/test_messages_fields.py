@@ -90,8 +90,11 @@ def test_bad_output_format_is_refused_by_name(anthropic_client):
         with pytest.raises(anthropic.BadRequestError) as err:
             message(anthropic_client, output_config={"format": bad})
         assert "output_config.format" in err.value.body["error"]["message"] or bad["type"] != "xml"
+    # effort is taken: the request runs. Random weights may end the turn after one token, and which
+    # token greedy picks can turn on a near-tie that the CPU's thread count decides: not asserted
     _, m = message(anthropic_client, max_tokens=2, temperature=0, output_config={"effort": "high"})
-    assert m.usage.output_tokens == 2
+    assert m.stop_reason in ("max_tokens", "end_turn") and 1 <= m.usage.output_tokens <= 2
+    assert m.stop_reason == "end_turn" or m.usage.output_tokens == 2
 
 
 def test_max_tokens_is_honoured(anthropic_client):
