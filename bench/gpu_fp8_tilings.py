@@ -34,7 +34,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import machine, versions  # noqa: E402
 from _gpu_measure import device_info, replayed_ms  # noqa: E402
-from gpu_quant_kernels import PROJECTIONS, copies_for, rotating  # noqa: E402
+from gpu_quant_kernels import PROJECTIONS, copies, rotating  # noqa: E402
 
 from deepinfer_core.backend.weight_formats import BlockFP8  # noqa: E402
 from deepinfer_nvidia_sm100.kernels import gemm  # noqa: E402
@@ -74,9 +74,7 @@ def cases(args, device: torch.device):
             continue
         fp8 = BlockFP8.quantize(torch.randn(n, k, generator=g, device=device) * k**-0.5, (128, 128), "e8m0")
         dense = fp8.dequantize().to(args.dtype)
-        quantized = [fp8] + [BlockFP8(fp8.weight.clone(), fp8.scale.clone(), fp8.block)
-                             for _ in range(copies_for(fp8.nbytes, INNER) - 1)]  # fmt: skip
-        yield shape, n, k, quantized, [dense] + [dense.clone() for _ in range(copies_for(dense.nbytes, INNER) - 1)]
+        yield shape, n, k, copies(fp8, INNER), copies(dense, INNER)
 
 
 def compile_part(args, device: torch.device, part: int, parts: int) -> None:

@@ -135,9 +135,14 @@ def rotating(calls: list) -> callable:
     return lambda: next(turn)()
 
 
-def copies_for(nbytes: int, inner: int) -> int:
-    """Copies of an `nbytes` weight whose turn spans 4 x L2 (at most one per replayed call)."""
-    return max(2, min(inner, -(-4 * L2_BYTES // nbytes)))
+def copies(weight, inner: int) -> list:
+    """`weight` and copies of it (a tensor or a BlockFP8) whose turn spans 4 x L2, at most one per replayed call."""
+    count = max(2, min(inner, -(-4 * L2_BYTES // weight.nbytes)))
+    if isinstance(weight, BlockFP8):
+        return [weight] + [
+            BlockFP8(weight.weight.clone(), weight.scale.clone(), weight.block) for _ in range(count - 1)
+        ]
+    return [weight] + [weight.clone() for _ in range(count - 1)]
 
 
 def gemm_rows(args, device: torch.device, dtype: torch.dtype, bandwidth: float, repeats: int, inner: int) -> list:
@@ -155,9 +160,7 @@ def gemm_rows(args, device: torch.device, dtype: torch.dtype, bandwidth: float, 
             reference = cublas()
             row["cublas_bf16_ms"] = replayed_ms(cublas, device, repeats, inner)
             # cold: each call of the replay on another copy of the weight (out of HBM, as in a model's step)
-            dense = [weight] + [weight.clone() for _ in range(copies_for(weight.nbytes, inner) - 1)]
-            quantized = [fp8] + [BlockFP8(fp8.weight.clone(), fp8.scale.clone(), fp8.block)
-                                 for _ in range(copies_for(fp8.nbytes, inner) - 1)]  # fmt: skip
+            dense, quantized = copies(weight, inner), copies(fp8, inner)
             cold_cublas = rotating([functools.partial(F.linear, x, w) for w in dense])
             cold_fp8 = rotating([functools.partial(gemm.matmul, x, q, fixed_tiles=False) for q in quantized])
             row["cublas_bf16_cold_ms"] = replayed_ms(cold_cublas, device, repeats, inner)
