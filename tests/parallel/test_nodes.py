@@ -4,6 +4,7 @@ Seeded outputs equal the one-rank engine's; stopping the head ends the headless 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import socket
@@ -85,13 +86,25 @@ def test_node_flags_are_checked():
         LLM(accelerator="rowwise_cpu", data_parallel_size=2, data_parallel_size_local=3)
 
 
+@contextlib.contextmanager
 def two_node_world(model, tmp_path: Path):
-    """(the one-rank engine's tokens for the kill tests, the port, the node's log, a headless node holding ranks
-    1-2 of 3). LONG tokens: the ranks, which run ahead of what the front has read, are still at it at the kill."""
+    """(the one-rank engine's tokens for the kill tests, the head: rank 0 of 3 here, the node's log, a headless node
+    holding ranks 1-2); on leaving, the head and the node stopped and the shared secret unset. LONG tokens: the
+    ranks, which run ahead of what the front has read, are still at it at the kill."""
     expected = generate(LLM(model, accelerator="rowwise_cpu", num_kv_blocks=64, progress=False), LONG)
     port = free_port_pair()
     log = tmp_path / "headless.log"
-    return expected, port, log, start_headless(log, port, ["-dp", "3", "-dpl", "2", "--data-parallel-start-rank", "1"])
+    node = start_headless(log, port, ["-dp", "3", "-dpl", "2", "--data-parallel-start-rank", "1"])
+    head = None
+    try:
+        head = three_rank_head(model, port)
+        yield expected, head, log, node
+    finally:
+        del os.environ["DEEPINFER_DATA_PARALLEL_KEY"]
+        if head is not None:
+            head.engine.shutdown()
+        if node.poll() is None:
+            node.kill()
 
 
 def three_rank_head(model, port: int) -> LLM:
@@ -132,10 +145,7 @@ def test_a_rank_killed_on_another_node_restarts_the_instance_across_nodes(tiny_c
     completes with an undisturbed run's tokens as streamed, and the node goes on until the head stops it."""
     import signal
 
-    expected, port, log, node = two_node_world(tiny_checkpoint, tmp_path)
-    engine = None
-    try:
-        head = three_rank_head(tiny_checkpoint, port)
+    with two_node_world(tiny_checkpoint, tmp_path) as (expected, head, log, node):
         engine = head.engine
         victim = engine.rank_info[1]["pid"]
         streamed = stream_and_lose(engine, lambda: os.kill(victim, signal.SIGKILL))
@@ -149,12 +159,6 @@ def test_a_rank_killed_on_another_node_restarts_the_instance_across_nodes(tiny_c
         engine.shutdown()
         assert node.wait(timeout=60) == 0, log.read_text()
         assert "ranks [1] of 2 on devices [1]" in log.read_text()
-    finally:
-        del os.environ["DEEPINFER_DATA_PARALLEL_KEY"]
-        if engine is not None:
-            engine.shutdown()
-        if node.poll() is None:
-            node.kill()
 
 
 @pytest.mark.parametrize("how", ["sigterm", "vanished"])
@@ -165,10 +169,7 @@ def test_a_node_lost_whole_restarts_the_instance_on_the_others(tiny_checkpoint, 
     completes with an undisturbed run's tokens."""
     import signal
 
-    expected, port, log, node = two_node_world(tiny_checkpoint, tmp_path)
-    engine = None
-    try:
-        head = three_rank_head(tiny_checkpoint, port)
+    with two_node_world(tiny_checkpoint, tmp_path) as (expected, head, log, node):
         engine = head.engine
         ranks = [engine.rank_info[r]["pid"] for r in (1, 2)]
 
@@ -183,9 +184,3 @@ def test_a_node_lost_whole_restarts_the_instance_on_the_others(tiny_checkpoint, 
         assert restart["lost"] == [1, 2] and restart["world_size"] == 1, restart
         assert streamed == expected
         assert node.wait(timeout=30) != 0
-    finally:
-        del os.environ["DEEPINFER_DATA_PARALLEL_KEY"]
-        if engine is not None:
-            engine.shutdown()
-        if node.poll() is None:
-            node.kill()
