@@ -3,13 +3,16 @@ power-of-two scale per 1 x 128 block, as DeepSeek's inference code and vLLM's bl
 GPU's FP8 MMA, against cuBLAS bf16 and production's weight-only FP8 GEMM (gemm.matmul, default mode), at V4
 Flash's seven projection shapes (issue #18: what an FP8 MMA would buy where the in-register dequantization loses).
 
-Two forms: `fused` quantizes each activation tile inside the GEMM (every column tile again); `pre` quantizes the
-activations once in a kernel of their own, the GEMM then loads e4m3 rows and their scales. Both multiply each
-128-column block's FP8 product by (activation scale x weight scale) in float32. W8A8 changes the numerics (the
+Three forms: `fused` quantizes each activation tile inside the GEMM (every column tile again); `pre` quantizes the
+activations once in a kernel of their own, the GEMM then loads e4m3 rows and their scales; `cublas` quantizes them
+the same way and hands both to cuBLASLt's block-scaled FP8 GEMM (`torch._scaled_mm` with 1 x 128 activation and
+128 x 128 weight scales, CUDA 12.9+). Each multiplies each 128-column block's FP8 product by (activation scale x
+weight scale) in float32. `*_cold_ms`: every replayed call reads another copy of the weight (out of HBM, as a
+model's step reads its layers' weights; `gpu_quant_kernels.copies`). W8A8 changes the numerics (the
 activations are rounded to e4m3): `*_err` is the max difference from the same W8A8 computed in float32 on the
 GPU, relative to the largest output.
 
-    python bench/gpu_w8a8_probe.py --out bench/results/gpu_w8a8_probe_nvidia_h200.json   # on the H200, ~1 min
+    python bench/gpu_w8a8_probe.py --rows 1,16,64,128,256 --out bench/results/gpu_w8a8_probe_nvidia_h200.json  # ~2 min
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ import triton.language as tl
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import machine, versions  # noqa: E402
 from _gpu_measure import device_info, replayed_ms  # noqa: E402
-from gpu_quant_kernels import PROJECTIONS  # noqa: E402
+from gpu_quant_kernels import PROJECTIONS, copies, rotating  # noqa: E402
 
 from deepinfer_core.backend.weight_formats import BlockFP8  # noqa: E402
 from deepinfer_nvidia_sm100.kernels import gemm  # noqa: E402
@@ -55,13 +58,13 @@ def _pow2_scale(amax):
 
 
 @triton.jit
-def _quantize_rows(a_ptr, q_ptr, s_ptr, K, sa_m, BK: tl.constexpr):
+def _quantize_rows(a_ptr, q_ptr, s_ptr, K, sa_m, ss_m, ss_k, BK: tl.constexpr):
     row, kb = tl.program_id(0), tl.program_id(1)
     ks = kb * BK + tl.arange(0, BK)
     a = tl.load(a_ptr + row * sa_m + ks).to(tl.float32)
     s = _pow2_scale(tl.max(tl.abs(a)))
     tl.store(q_ptr + row * K + ks, (a * (1.0 / s)).to(tl.float8e4nv))
-    tl.store(s_ptr + row * (K // BK) + kb, s)
+    tl.store(s_ptr + row * ss_m + kb * ss_k, s)
 
 
 @triton.jit
@@ -120,7 +123,7 @@ def w8a8(x: torch.Tensor, fp8: BlockFP8, bm: int, bn: int, warps: int, stages: i
     if form == "pre":
         a = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=x.device)
         a_scales = torch.empty(m, k_tiles, dtype=torch.float32, device=x.device)
-        _quantize_rows[(m, k_tiles)](x, a, a_scales, k, x.stride(0), BK=BLOCK)
+        _quantize_rows[(m, k_tiles)](x, a, a_scales, k, x.stride(0), *a_scales.stride(), BK=BLOCK)
     _w8a8_kernel[(tiles, splits)](
         a, a_scales, fp8.weight, scales, out, parts, m, n, k, per_split, x.stride(0), fp8.weight.stride(0),
         scales.stride(0), scales.stride(1), out.stride(0), FUSED=form == "fused", SPLIT=splits, BM=bm, BN=bn,
@@ -129,6 +132,25 @@ def w8a8(x: torch.Tensor, fp8: BlockFP8, bm: int, bn: int, warps: int, stages: i
     if splits > 1:
         _sum_splits[(triton.cdiv(m * n, 1024),)](parts, out, m * n, SPLIT=splits, BLOCK_=1024)
     return out
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """bf16 rows [M, K] -> (e4m3 rows, float32 power-of-two scales [M, K / 128] laid out M-major, as cuBLASLt's 1 x
+    128 scales are read)."""
+    m, k = x.shape
+    q = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=x.device)
+    scales = torch.empty(k // BLOCK, m, dtype=torch.float32, device=x.device).t()
+    _quantize_rows[(m, k // BLOCK)](x, q, scales, k, x.stride(0), *scales.stride(), BK=BLOCK)
+    return q, scales
+
+
+def cublas_w8a8(x: torch.Tensor, fp8: BlockFP8, weight_scales: torch.Tensor) -> torch.Tensor:
+    """W8A8 on cuBLASLt's block-scaled FP8 GEMM; rows padded to a multiple of 4 (its scale alignment)."""
+    m = x.shape[0]
+    padded = x if m % 4 == 0 else F.pad(x, (0, 0, 0, -m % 4))
+    q, scales = quantize_rows(padded)
+    out = torch._scaled_mm(q, fp8.weight.t(), scales, weight_scales.t(), out_dtype=x.dtype)
+    return out[:m]
 
 
 def w8a8_reference(x: torch.Tensor, fp8: BlockFP8) -> torch.Tensor:
@@ -158,10 +180,26 @@ def main(argv: list[str] | None = None) -> int:
                    "production_fp8_ms": replayed_ms(functools.partial(gemm.matmul, x, fp8, fixed_tiles=False),
                                                     device, 20, 20)}  # fmt: skip
             want = w8a8_reference(x, fp8)
-            for tiling, spec in TILINGS.items():
-                call = functools.partial(w8a8, x, fp8, *spec)
-                row[f"{tiling}_err"] = float((call().float() - want).abs().max() / want.abs().max())
-                row[f"{tiling}_ms"] = replayed_ms(call, device, 20, 20)
+            weight_scales = fp8.scale.float()
+            forms = {f"{tiling}": functools.partial(w8a8, x, fp8, *spec) for tiling, spec in TILINGS.items()}
+            forms["cublas"] = functools.partial(cublas_w8a8, x, fp8, weight_scales)
+            for form, call in forms.items():
+                try:
+                    row[f"{form}_err"] = float((call().float() - want).abs().max() / want.abs().max())
+                    row[f"{form}_ms"] = replayed_ms(call, device, 20, 20)
+                except RuntimeError as error:  # e.g. a cuBLAS without block-scaled FP8 (before CUDA 12.9)
+                    row[f"{form}_error"] = str(error).splitlines()[0]
+            # cold: each replayed call on another copy of the weight, as a model's step reads its layers' weights
+            cold = {
+                "cublas_bf16": [functools.partial(F.linear, x, w) for w in copies(dense, 20)],
+                "production_fp8": [functools.partial(gemm.matmul, x, q, fixed_tiles=False) for q in copies(fp8, 20)],
+                "pre_bm64_bn128": [functools.partial(w8a8, x, q, *TILINGS["pre_bm64_bn128"]) for q in copies(fp8, 20)],
+            }
+            if "cublas_ms" in row:
+                cold["cublas"] = [functools.partial(cublas_w8a8, x, q, q.scale.float()) for q in copies(fp8, 20)]
+            for form, calls in cold.items():
+                row[f"{form}_cold_ms"] = replayed_ms(rotating(calls), device, 20, 20)
+            del cold
             rows.append(row)
             print(json.dumps({key: round(v, 4) if isinstance(v, float) else v for key, v in row.items()}), flush=True)
     report = {
@@ -170,7 +208,8 @@ def main(argv: list[str] | None = None) -> int:
         "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "machine": {**machine(), "device": device_info(device)},
         "versions": versions(),
-        "method": "median of 20 timings of 20 calls replayed as one CUDA graph, the same weight each call",
+        "method": "median of 20 timings of 20 calls replayed as one CUDA graph: *_ms the same weight each call, "
+        "*_cold_ms another copy of it each call (copies spanning 4 x L2)",
         "tilings_bm_bn_warps_stages_waves_form": TILINGS,
         "rows": rows,
     }
