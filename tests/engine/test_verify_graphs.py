@@ -10,6 +10,7 @@ The capture is test_decode_graphs' stand-in (replay = run the step again over th
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import pytest
 import torch
@@ -57,9 +58,9 @@ def _backend(graphs):
     return dataclasses.replace(backend, graphs=graphs)
 
 
-def _generate(path, prompts, graphs=None, speculative=None, proposer=None):
+def _generate(path, prompts, graphs=None, speculative=None, proposer=None, max_num_seqs=64):
     llm = LLM(model=str(path), backend=_backend(graphs), num_kv_blocks=48, graph_batch_size=8 if graphs else 0,
-              speculative_config=speculative, progress=False)  # fmt: skip
+              speculative_config=speculative, max_num_seqs=max_num_seqs, progress=False)  # fmt: skip
     if proposer is not None:
         llm.engine.scheduler.proposer = proposer
     scheduler = llm.engine.scheduler
@@ -67,6 +68,13 @@ def _generate(path, prompts, graphs=None, speculative=None, proposer=None):
         scheduler.step_costs, scheduler.decode_costs = StepCostTable((1,), (1.0,)), StepCostTable((1,), (10.0,))
     outputs = llm.generate(prompts, PARAMS, use_tqdm=False)
     return {o.request_id: o.outputs[0].token_ids for o in outputs}, llm
+
+
+@functools.cache
+def _plain(path: str, vocab: int) -> dict[str, tuple[int, ...]]:
+    """Plain decoding of `_prompts(vocab)` on the checkpoint at `path`, computed once for the tests that compare
+    against it (the same prompts and PARAMS each time: its output is a function of the checkpoint)."""
+    return _generate(path, _prompts(vocab))[0]
 
 
 @pytest.fixture
@@ -123,9 +131,11 @@ def dspark_checkpoint(tmp_path_factory):
 @pytest.mark.parametrize("verify", ["fixed", "adaptive"])
 def test_dspark_reads_the_target_through_the_graph(dspark_checkpoint, verify):
     prompts = _prompts(338)
-    plain, _ = _generate(dspark_checkpoint, prompts)
+    plain = _plain(str(dspark_checkpoint), 338)
     spec = {"method": "dspark", "num_speculative_tokens": 4, "verify": verify}
-    got, llm = _generate(dspark_checkpoint, prompts, ReplayByCalling(), spec)
+    # 4 sequences at most (3 requests; the graphs' batch of 4 still pads them): adaptive's start-up profiling
+    # times steps up to max_num_seqs * 5 tokens, which at the default 64 took ~50 s of the test's ~55 s
+    got, llm = _generate(dspark_checkpoint, prompts, ReplayByCalling(), spec, max_num_seqs=4)
     assert got == plain
     graphs = llm.engine.runner.graphs
     assert graphs._drafted.shape[1] == graphs.model.taps.shape[1]  # DSpark reads the taps
@@ -135,7 +145,7 @@ def test_dspark_reads_the_target_through_the_graph(dspark_checkpoint, verify):
 
 def test_v4_mtp_reads_the_target_through_the_graph(hf_v4_mtp_checkpoint):
     prompts = _prompts(256)
-    plain, _ = _generate(hf_v4_mtp_checkpoint.path, prompts)
+    plain = _plain(str(hf_v4_mtp_checkpoint.path), 256)
     spec = {"method": "mtp", "num_speculative_tokens": 3}
     got, llm = _generate(hf_v4_mtp_checkpoint.path, prompts, ReplayByCalling(), spec)
     assert got == plain
@@ -148,7 +158,7 @@ def test_v4_mtp_reads_the_target_through_the_graph(hf_v4_mtp_checkpoint):
 def test_v3_mtp_drafts_in_a_graph(mtp_checkpoint):
     """DeepSeek-V3's MTP layer (paged caches only): the chained drafts of the draft graph, the plain output."""
     prompts = _prompts(128)
-    plain, _ = _generate(mtp_checkpoint, prompts)
+    plain = _plain(str(mtp_checkpoint), 128)
     got, llm = _generate(mtp_checkpoint, prompts, ReplayByCalling(), {"method": "mtp", "num_speculative_tokens": 3})
     assert got == plain
     graphs = llm.engine.runner.graphs
@@ -184,7 +194,7 @@ def test_the_draft_graph_drafts_what_eager_steps_draft(method, dspark_checkpoint
     spec = {"method": method.split("-")[0], "num_speculative_tokens": 3}
     prompts = _prompts(vocab)
 
-    plain, _ = _generate(path, prompts)
+    plain = _plain(str(path), vocab)
 
     def run(graphs):
         llm = LLM(model=str(path), backend=_backend(graphs), num_kv_blocks=48, graph_batch_size=8 if graphs else 0,
