@@ -8,6 +8,7 @@ import torch
 
 from deepinfer_core.backend.ops import BlockFP8
 from deepinfer_nvidia_sm100.kernels import fp8_tilings, gemm, quant
+from tests.backends.nvidia.test_dense_kernels import REF, assert_matches, randn
 
 ALL = [(shape, m) for shape, table in fp8_tilings.MEASURED.items() for m in table]
 SHAPE = (4096, 8192)  # V4 Flash's o_b
@@ -49,7 +50,24 @@ def test_every_tiling_takes_the_shipped_scale_blocks(block):
     weight = BlockFP8.quantize(torch.ones(block, block), (block, block), "e8m0")
     for (bm, bn, bk, warps), waves, stages in specs:
         quant.check_tiles(quant.weight_args(weight), bk)  # raises where the blocks neither span nor divide
-        assert bm in (16, 32, 64, 128) and bn in (64, 128) and warps in (4, 8) and waves >= 1 and stages >= 1
+        assert bm in (16, 32, 64, 128) and bn in (32, 64, 128) and warps in (2, 4, 8) and waves >= 1 and stages >= 1
+
+
+TILINGS = sorted({s for table in [*fp8_tilings.MEASURED.values(), fp8_tilings.GENERIC] for s in table.values()})
+
+
+TILING_IDS = [f"bm{t[0]}_bn{t[1]}_bk{t[2]}_w{t[3]}_waves{w}_s{s}" for t, w, s in TILINGS]
+
+
+@pytest.mark.parametrize("spec", TILINGS, ids=TILING_IDS)
+def test_every_tiling_of_the_table_is_the_dequantized_gemm(spec):
+    """Each tiling the table holds (under the interpreter: tiles, K splits and their sum; warps and stages are the
+    GPU's), on a weight whose rows and K end inside a tile and a scale block."""
+    weight = BlockFP8.quantize(randn(200, 640, dtype=torch.float32, seed=21, scale=0.2), (128, 128), "e8m0")
+    x = randn(19, 640, dtype=torch.bfloat16, seed=22)
+    tiles, waves, stages = spec
+    got = gemm.batched_matmul(x[None], weight.weight[None], b_scale=weight, tiles=tiles, waves=waves, stages=stages)
+    assert_matches(got[0], REF.linear(x, weight), reduced=640, roundings=2)
 
 
 def test_the_gemm_routes_fp8_weights_through_the_table(monkeypatch):
