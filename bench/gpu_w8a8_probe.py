@@ -190,16 +190,17 @@ def main(argv: list[str] | None = None) -> int:
                 except RuntimeError as error:  # e.g. a cuBLAS without block-scaled FP8 (before CUDA 12.9)
                     row[f"{form}_error"] = str(error).splitlines()[0]
             # cold: each replayed call on another copy of the weight, as a model's step reads its layers' weights
+            quantized = copies(fp8, 20)
             cold = {
                 "cublas_bf16": [functools.partial(F.linear, x, w) for w in copies(dense, 20)],
-                "production_fp8": [functools.partial(gemm.matmul, x, q, fixed_tiles=False) for q in copies(fp8, 20)],
-                "pre_bm64_bn128": [functools.partial(w8a8, x, q, *TILINGS["pre_bm64_bn128"]) for q in copies(fp8, 20)],
+                "production_fp8": [functools.partial(gemm.matmul, x, q, fixed_tiles=False) for q in quantized],
+                "pre_bm64_bn128": [functools.partial(w8a8, x, q, *TILINGS["pre_bm64_bn128"]) for q in quantized],
             }
             if "cublas_ms" in row:
-                cold["cublas"] = [functools.partial(cublas_w8a8, x, q, q.scale.float()) for q in copies(fp8, 20)]
+                cold["cublas"] = [functools.partial(cublas_w8a8, x, q, q.scale.float()) for q in quantized]
             for form, calls in cold.items():
                 row[f"{form}_cold_ms"] = replayed_ms(rotating(calls), device, 20, 20)
-            del cold
+            del cold, quantized
             rows.append(row)
             print(json.dumps({key: round(v, 4) if isinstance(v, float) else v for key, v in row.items()}), flush=True)
     report = {

@@ -54,8 +54,6 @@ def test_every_tiling_takes_the_shipped_scale_blocks(block):
 
 
 TILINGS = sorted({s for table in [*fp8_tilings.MEASURED.values(), fp8_tilings.GENERIC] for s in table.values()})
-
-
 TILING_IDS = [f"bm{t[0]}_bn{t[1]}_bk{t[2]}_w{t[3]}_waves{w}_s{s}" for t, w, s in TILINGS]
 
 
